@@ -1,0 +1,211 @@
+"""fedguide's command line: thin wrappers that parse arguments and call the API."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from fedguide.registry import ConfigError
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=False, highlight=False)
+
+
+def _progress(console, quiet: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    if quiet:
+        return None
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=console, transient=True)
+
+
+def _default_run_dir(config_path: Path, method: str, seed: int) -> Path:
+    return Path("runs") / f"{config_path.stem}-{method}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _check_fresh(run_dir: Path) -> None:
+    if (run_dir / "config.yaml").exists() or (run_dir / "checkpoints").exists():
+        raise ConfigError(f"{run_dir} already holds a run; continue it with 'fedguide resume {run_dir}' "
+                          "or choose another --out")
+
+
+def _sweep_grid(sweeps: list[str]) -> list[list[str]]:
+    axes = []
+    for s in sweeps:
+        if "=" not in s:
+            raise ConfigError(f"--sweep '{s}' is not key=v1,v2; write e.g. --sweep seed=0,1,2")
+        key, values = s.split("=", 1)
+        axes.append([f"{key}={v}" for v in values.split(",")])
+    return [list(c) for c in itertools.product(*axes)] if axes else [[]]
+
+
+def _run_one(config_path: Path, overrides: list[str], run_dir: Optional[Path], dry_run: bool, quiet: bool, console):
+    from fedguide.config import load_config, to_yaml
+    from fedguide.fl.engine import Experiment, prepare
+
+    prepared = prepare(load_config(config_path, overrides))
+    cfg = prepared.config
+    if dry_run:
+        print(to_yaml(cfg), end="")
+        print("partition summary: " + json.dumps(prepared.data.summary()))
+        return None
+    run_dir = run_dir or _default_run_dir(config_path, cfg.method.name, cfg.seed)
+    _check_fresh(run_dir)
+    console.print(f"[bold]{cfg.method.name}[/] on {cfg.data.name}, {cfg.partition.name}, "
+                  f"{prepared.data.num_clients} clients, seed {cfg.seed} -> {run_dir}")
+    progress = _progress(console, quiet)
+    log = (lambda s: None) if quiet else console.print
+    exp = Experiment(prepared, run_dir, log=log, progress=progress)
+    try:
+        if progress:
+            with progress:
+                summary = exp.run()
+        else:
+            summary = exp.run()
+    except KeyboardInterrupt:
+        console.print(f"interrupted; continue with: fedguide resume {run_dir}")
+        raise SystemExit(130)
+    console.print(f"final accuracy {100 * summary['final_accuracy']:.2f}%  "
+                  f"(best {100 * summary['best_accuracy']:.2f}% at round {summary['best_round']})  "
+                  f"{summary['wall_seconds']:.0f} s  -> {run_dir}")
+    return run_dir
+
+
+def cmd_run(args) -> int:
+    console = _console()
+    grid = _sweep_grid(args.sweep or [])
+    run_dirs = []
+    for combo in grid:
+        run_dir = args.out
+        if len(grid) > 1:
+            name = "-".join(o.split("=", 1)[0].split(".")[-1] + "=" + o.split("=", 1)[1] for o in combo)
+            run_dir = (args.out or Path("runs") / f"{args.config.stem}-{time.strftime('%Y%m%d-%H%M%S')}") / name
+        rd = _run_one(args.config, args.overrides + combo, run_dir, args.dry_run, args.quiet, console)
+        if rd is not None:
+            run_dirs.append(rd)
+    if len(run_dirs) > 1:
+        _print_report(run_dirs, None, console)
+    return 0
+
+
+def cmd_resume(args) -> int:
+    from fedguide.fl.engine import Experiment, load_run_config, prepare
+
+    console = _console()
+    run_dir = args.run_dir
+    if (run_dir / "summary.json").exists():
+        console.print(f"{run_dir} is already complete (summary.json exists); nothing to resume")
+        return 0
+    prepared = prepare(load_run_config(run_dir))
+    progress = _progress(console, args.quiet)
+    exp = Experiment(prepared, run_dir, log=(lambda s: None) if args.quiet else console.print, progress=progress)
+    if progress:
+        with progress:
+            summary = exp.run(resume=True)
+    else:
+        summary = exp.run(resume=True)
+    console.print(f"final accuracy {100 * summary['final_accuracy']:.2f}%  -> {run_dir}")
+    return 0
+
+
+def registry_listing() -> dict[str, list[dict]]:
+    from fedguide.data.partition import PARTITIONS
+    from fedguide.data.sources import DATASETS
+    from fedguide.methods import METHODS
+    from fedguide.models import MODELS
+
+    def rows(reg):
+        return [{"name": e.name, "summary": e.summary,
+                 "params": {k: f.get_default(call_default_factory=True) for k, f in e.params.model_fields.items()}} for e in reg.entries()]
+
+    return {"methods": rows(METHODS), "datasets": rows(DATASETS), "partitions": rows(PARTITIONS),
+            "models": rows(MODELS)}
+
+
+def cmd_list(args) -> int:
+    listing = registry_listing()
+    if args.json:
+        print(json.dumps(listing, indent=2, default=str))
+        return 0
+    console = _console()
+    for kind, rows in listing.items():
+        console.print(f"[bold]{kind}[/]")
+        for r in rows:
+            params = ", ".join(f"{k}={v}" for k, v in r["params"].items())
+            console.print(f"  {r['name']:<14} {r['summary']}" + (f"  [dim]({params})[/]" if params else ""))
+    return 0
+
+
+def _print_report(paths: list[Path], out: Optional[Path], console) -> None:
+    from fedguide.report import report
+
+    from fedguide.report import results_table
+
+    result = report(paths, out)
+    print(results_table(result.runs))
+    console.print(f"report: {result.markdown_path}")
+    for p in result.plot_paths:
+        console.print(f"plot:   {p}")
+
+
+def cmd_report(args) -> int:
+    _print_report(args.run_dirs, args.out, _console())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedguide", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an experiment from a YAML config")
+    run.add_argument("config", type=Path)
+    run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. method.name=fedprox method.mu=0.01")
+    run.add_argument("--out", type=Path, default=None, help="run directory (parent folder with --sweep)")
+    run.add_argument("--dry-run", action="store_true", help="validate, print the resolved config and partition")
+    run.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
+                     help="run every combination (repeatable), then print a comparison table")
+    run.add_argument("--quiet", action="store_true")
+    run.set_defaults(func=cmd_run)
+
+    res = sub.add_parser("resume", help="continue an interrupted run from its last checkpoint")
+    res.add_argument("run_dir", type=Path)
+    res.add_argument("--quiet", action="store_true")
+    res.set_defaults(func=cmd_resume)
+
+    lst = sub.add_parser("list", help="registered methods, datasets, partitions and models")
+    lst.add_argument("--json", action="store_true")
+    lst.set_defaults(func=cmd_list)
+
+    rep = sub.add_parser("report", help="results table and plots for one or more run directories")
+    rep.add_argument("run_dirs", nargs="+", type=Path)
+    rep.add_argument("--out", type=Path, default=None)
+    rep.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow options ('run CFG --dry-run method.name=fedprox'); argparse leaves those
+    # as unknown arguments, so they are taken here.
+    if extra:
+        if args.command != "run" or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FloatingPointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The typed experiment config: YAML + dotted overrides -> validated, fully resolved settings.
+
+Sections with a ``name`` (data, partition, model, method) carry the named entry's own parameters;
+those are validated against the entry's ``Params`` model, so every default lives in one place and
+the resolved config written to a run directory lists them all.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedguide.registry import ConfigError
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Named(BaseModel):
+    """A section selecting a registry entry; its other keys are that entry's parameters."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+    def params_dict(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class DataConfig(Named):
+    name: str = "fmnist"
+    fraction: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class ClientsConfig(Strict):
+    num: int = Field(10, ge=1)
+    per_round: int = Field(10, ge=1)
+
+
+class RuntimeConfig(Strict):
+    name: Literal["local"] = "local"
+
+
+class TrainConfig(Strict):
+    rounds: int = Field(20, ge=1)
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(64, ge=1)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(0.01, gt=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    weight_decay: float = Field(1e-5, ge=0.0)
+    eval_batch_size: int = Field(1024, ge=1)
+    threads: Optional[int] = Field(None, ge=1, description="torch intra-op threads; null = torch's default")
+
+
+class Config(Strict):
+    data: DataConfig = DataConfig()
+    partition: Named = Named(name="dirichlet")
+    model: Named = Named(name="cnn")
+    method: Named = Named(name="fedavg")
+    clients: ClientsConfig = ClientsConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    train: TrainConfig = TrainConfig()
+    seed: int = 0
+    meta: dict[str, Any] = Field(default_factory=dict, description="written by fedguide: version, git commit")
+
+    @model_validator(mode="after")
+    def _clients(self) -> "Config":
+        if self.clients.per_round > self.clients.num:
+            raise ValueError(
+                f"clients.per_round ({self.clients.per_round}) exceeds clients.num ({self.clients.num}); "
+                "lower clients.per_round"
+            )
+        return self
+
+
+def parse_value(text: str) -> Any:
+    """Override values are YAML scalars/lists: 'mu=0.01' -> 0.01, 'regularizers=[dw]' -> ['dw']."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value; write e.g. train.rounds=5")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override key '{key}' is malformed; write dotted keys like method.mu=0.01")
+        node = out
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override '{key}': '{p}' is a value, not a section")
+            node = nxt
+        if parts[-1] == "name" and len(parts) == 2 and node.get("name") not in (None, value):
+            # Switching method/model/partition drops the old entry's parameters, which the new one
+            # would reject as unknown keys.
+            node.clear()
+        node[parts[-1]] = parse_value(value)
+    return out
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            section = e["loc"][:-1]
+            model: Any = Config
+            for p in section:
+                model = model.model_fields[p].annotation if p in getattr(model, "model_fields", {}) else None
+            valid = ", ".join(getattr(model, "model_fields", {})) if model else ""
+            msg = f"unknown key{'; valid keys: ' + valid if valid else ''}"
+        lines.append(f"{loc}: {msg}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def load_raw(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found; pass a YAML file such as configs/smoke.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a YAML mapping (data:, method:, ...), not {type(raw).__name__}")
+    return raw
+
+
+def build_config(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+
+
+def load_config(path: Path, overrides: list[str] | None = None) -> Config:
+    return build_config(apply_overrides(load_raw(path), overrides or []))
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

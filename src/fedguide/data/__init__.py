@@ -1,0 +1,1 @@
+"""Datasets, partitions and the federated view of them."""

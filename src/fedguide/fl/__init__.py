@@ -1,0 +1,1 @@
+"""The engine: rounds, local training, aggregation, evaluation, checkpoints and client state."""

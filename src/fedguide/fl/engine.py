@@ -1,0 +1,252 @@
+"""The round loop of the in-process runtime.
+
+Each round: sample clients, and for each (in ascending id order) build its payload, load its start
+weights into the one live model, train, collect its upload; then aggregate, evaluate, checkpoint,
+and only then commit client state. The engine knows the Method interface, never a method's name.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import yaml
+
+import fedguide
+from fedguide.config import Config, build_config, to_yaml
+from fedguide.data.federated import FederatedData, stratified_fraction
+from fedguide.data.partition import PARTITIONS, make_partition
+from fedguide.data.sources import DATASETS
+from fedguide.fl.atomic import write_json, write_jsonl, write_text
+from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedguide.fl.context import RunContext
+from fedguide.fl.evaluation import Evaluator
+from fedguide.fl.seeding import derive_seed, numpy_rng, sample_clients, torch_generator
+from fedguide.fl.state import ClientStateStore
+from fedguide.fl.training import train_local
+from fedguide.fl.weights import WeightLayout
+from fedguide.methods import METHODS, ClientContext, Method, record_bytes
+from fedguide.models import MODELS, ModelSpec, build_model
+from fedguide.registry import ConfigError
+
+ROUND_ACCURACY_MARKS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
+
+
+def resolve(cfg: Config) -> tuple[Config, dict[str, Any]]:
+    """Validate every named section against its registry and return the config with all defaults
+    written out, plus the parsed parameter objects."""
+    parsed = {
+        "data": DATASETS.parse_params(cfg.data.name, cfg.data.params_dict(), "data"),
+        "partition": PARTITIONS.parse_params(cfg.partition.name, cfg.partition.params_dict(), "partition"),
+        "model": MODELS.parse_params(cfg.model.name, cfg.model.params_dict(), "model"),
+        "method": METHODS.parse_params(cfg.method.name, cfg.method.params_dict(), "method"),
+    }
+    raw = cfg.model_dump(mode="json")
+    for section, params in parsed.items():
+        raw[section] = {**{k: raw[section][k] for k in ("name", "fraction") if k in raw[section]},
+                        **params.model_dump(mode="json")}
+    return build_config(raw), parsed
+
+
+def partition_label(cfg: Config) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in cfg.partition.params_dict().items() if k != "max_tries")
+    return f"{cfg.partition.name}({params})" if params else cfg.partition.name
+
+
+def git_commit() -> Optional[str]:
+    src = Path(fedguide.__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+@dataclass
+class Prepared:
+    """Everything that follows from the config alone (shared by --dry-run and a real run)."""
+
+    config: Config
+    params: dict[str, Any]
+    data: FederatedData
+    method_cls: type[Method]
+
+
+def prepare(cfg: Config) -> Prepared:
+    cfg, params = resolve(cfg)
+    splits = DATASETS.get(cfg.data.name).obj(params["data"])
+    labels = splits.train_y.numpy()
+    used = stratified_fraction(labels, cfg.data.fraction, numpy_rng(cfg.seed, "data"))
+    parts = make_partition(cfg.partition.name, cfg.partition.params_dict(), labels[used], cfg.clients.num,
+                           derive_seed(cfg.seed, "partition"))
+    method_cls = METHODS.get(cfg.method.name).obj
+    client_indices = method_cls.federation([used[p] for p in parts])
+    return Prepared(cfg, params, FederatedData(splits, client_indices), method_cls)
+
+
+def round_line(m: dict[str, Any], rounds: int) -> str:
+    return (f"round {m['round']:>3}/{rounds}  acc {100 * m['accuracy']:6.2f}%  train loss {m['loss']:.4f}  "
+            f"{m['seconds']:.1f} s")
+
+
+class Experiment:
+    def __init__(self, prepared: Prepared, run_dir: Path, log: Callable[[str], None] = print,
+                 progress: Any = None):
+        self.p = prepared
+        self.cfg = prepared.config
+        self.run_dir = Path(run_dir)
+        self.log = log
+        self.progress = progress  # a rich Progress or None
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _build(self) -> tuple[RunContext, Method]:
+        cfg = self.cfg
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        spec = ModelSpec(self.p.data.splits.input_shape, self.p.data.num_classes)
+        torch.manual_seed(derive_seed(cfg.seed, "model"))
+        model = build_model(cfg.model.name, self.p.params["model"], spec)
+        layout = WeightLayout.of(model)
+        ctx = RunContext(
+            config=cfg,
+            data=self.p.data,
+            model=model,
+            make_model=lambda: build_model(cfg.model.name, self.p.params["model"], spec),
+            layout=layout,
+            initial_weights=layout.flatten(model),
+            evaluator=Evaluator(model, layout, self.p.data.splits.test_x, self.p.data.splits.test_y,
+                                cfg.train.eval_batch_size),
+            store=ClientStateStore(self.run_dir / "client_state"),
+            run_dir=self.run_dir,
+        )
+        return ctx, self.p.method_cls(self.p.params["method"], ctx)
+
+    def _write_static(self) -> None:
+        cfg = self.cfg.model_copy(deep=True)
+        cfg.meta = {"version": fedguide.__version__, "git_commit": git_commit(), "torch": torch.__version__,
+                    "python": platform.python_version()}
+        write_text(self.run_dir / "config.yaml", to_yaml(cfg))
+        write_json(self.run_dir / "partition.json", self._partition_record())
+
+    def _partition_record(self) -> dict[str, Any]:
+        return {"num_classes": self.p.data.num_classes, "class_names": self.p.data.splits.class_names,
+                "counts": self.p.data.class_counts().tolist()}
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ctx, method = self._build()
+        ckpt = load_checkpoint(self.run_dir / "checkpoints") if resume else None
+        if ckpt is None:
+            self._write_static()
+            method.setup()
+            global_w, metrics, start, wall0 = ctx.initial_weights.clone(), [], 1, 0.0
+        else:
+            saved = json.loads((self.run_dir / "partition.json").read_text())
+            if saved["counts"] != self._partition_record()["counts"]:
+                raise ConfigError(f"{self.run_dir}: the partition rebuilt from config.yaml differs from "
+                                  "partition.json (the code or data changed); start a new run instead")
+            method.setup()
+            method.load_server_state(ckpt.method_state)
+            ctx.store.recover(ckpt.round)
+            global_w, metrics, start, wall0 = ckpt.global_weights, ckpt.metrics, ckpt.round + 1, ckpt.wall_seconds
+            write_jsonl(self.run_dir / "metrics.jsonl", metrics)
+            self.log(f"resuming {self.run_dir} after round {ckpt.round}")
+        rounds = self.cfg.train.rounds
+        t_run = time.perf_counter()
+        task = self.progress.add_task("rounds", total=rounds, completed=start - 1) if self.progress else None
+        for r in range(start, rounds + 1):
+            global_w, m = self._round(r, ctx, method, global_w)
+            metrics.append(m)
+            save_checkpoint(self.run_dir / "checkpoints",
+                            Checkpoint(r, global_w, method.server_state(), metrics,
+                                       wall0 + time.perf_counter() - t_run))
+            write_jsonl(self.run_dir / "metrics.jsonl", metrics)
+            ctx.store.commit(r)
+            self.log(round_line(m, rounds))
+            if task is not None:
+                self.progress.update(task, advance=1)
+        return self._finish(ctx, global_w, metrics, wall0 + time.perf_counter() - t_run)
+
+    def _round(self, r: int, ctx: RunContext, method: Method, global_w: torch.Tensor):
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        clients = sample_clients(cfg.seed, r, ctx.num_clients, min(cfg.clients.per_round, ctx.num_clients))
+        uploads, down, up, loss_sum, n_sum = [], 0, 0, 0.0, 0
+        for cid in clients:
+            payload = method.server_payload(r, cid, global_w)
+            down += record_bytes(payload)
+            cctx = ClientContext(cid, r, ctx.data.client(cid), payload, ctx.store.get(cid))
+            ctx.layout.load(ctx.model, method.client_start(cctx))
+            seed = derive_seed(cfg.seed, "client", r, cid)
+            torch.manual_seed(seed)  # dropout and other in-model randomness
+            loss, _ = train_local(ctx.model, method, cctx, cfg.train, torch_generator(cfg.seed, "client", r, cid))
+            upload = method.client_upload(ctx.model, cctx)
+            if cctx.state_dirty:
+                ctx.store.put(cid, r, cctx.state)
+            up += record_bytes(upload)
+            uploads.append({**upload, "client_id": cid})
+            loss_sum += loss * len(cctx.data)
+            n_sum += len(cctx.data)
+        t_train = time.perf_counter()
+        global_w = method.aggregate(r, global_w, uploads)
+        t_agg = time.perf_counter()
+        evaluation = method.evaluate(r, global_w)
+        t_eval = time.perf_counter()
+        m = {"round": r, "accuracy": evaluation["accuracy"], "loss": loss_sum / max(n_sum, 1),
+             "seconds": t_eval - t0, "train_seconds": t_train - t0, "aggregate_seconds": t_agg - t_train,
+             "eval_seconds": t_eval - t_agg, "bytes_up": up, "bytes_down": down, "clients": clients}
+        m.update({k: v for k, v in evaluation.items() if k != "accuracy"})
+        return global_w, m
+
+    def _finish(self, ctx: RunContext, global_w: torch.Tensor, metrics: list[dict], wall: float) -> dict[str, Any]:
+        from safetensors.torch import save_file
+
+        from fedguide.fl.atomic import write_atomic
+
+        ctx.layout.load(ctx.model, global_w)
+        state = {k: v.contiguous() for k, v in ctx.model.state_dict().items()}
+        write_atomic(self.run_dir / "model.safetensors", lambda tmp: save_file(state, tmp))
+        curve = [m["accuracy"] for m in metrics]
+        best = int(np.argmax(curve))
+        summary = {
+            "method": self.cfg.method.name,
+            "method_params": self.cfg.method.params_dict(),
+            "dataset": self.cfg.data.name,
+            "partition": partition_label(self.cfg),
+            "model": self.cfg.model.name,
+            "num_clients": ctx.num_clients,
+            "clients_per_round": min(self.cfg.clients.per_round, ctx.num_clients),
+            "rounds": self.cfg.train.rounds,
+            "seed": self.cfg.seed,
+            "final_accuracy": curve[-1],
+            "best_accuracy": curve[best],
+            "best_round": metrics[best]["round"],
+            "accuracy_curve": curve,
+            "rounds_to_accuracy": {str(a): next((m["round"] for m in metrics if m["accuracy"] >= a), None)
+                                   for a in ROUND_ACCURACY_MARKS},
+            "wall_seconds": wall,
+            "mean_round_seconds": float(np.mean([m["seconds"] for m in metrics])),
+            "bytes_up_total": int(sum(m["bytes_up"] for m in metrics)),
+            "bytes_down_total": int(sum(m["bytes_down"] for m in metrics)),
+        }
+        write_json(self.run_dir / "summary.json", summary)
+        return summary
+
+
+def load_run_config(run_dir: Path) -> Config:
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} is not a fedguide run directory (no config.yaml); "
+                          "pass the folder a 'fedguide run' created")
+    return build_config(yaml.safe_load(path.read_text()))

@@ -1,0 +1,51 @@
+"""The local training loop: mini-batches gathered by index from the shared in-memory tensors."""
+from __future__ import annotations
+
+import torch
+
+from fedguide.config import TrainConfig
+from fedguide.methods.base import ClientContext, Method
+from fedguide.models.split import SplitModel
+
+
+def make_optimizer(model: SplitModel, cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def has_batchnorm(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def train_local(
+    model: SplitModel, method: Method, ctx: ClientContext, cfg: TrainConfig, generator: torch.Generator
+) -> tuple[float, int]:
+    """Run ``cfg.epochs`` epochs of the method's local objective; returns (mean loss, steps)."""
+    data = ctx.data
+    n = len(data)
+    optimizer = make_optimizer(model, cfg)
+    model.train()
+    method.begin_local(model, ctx)
+    # BatchNorm cannot normalise a batch of one sample; such a trailing batch is skipped.
+    min_batch = 2 if has_batchnorm(model) else 1
+    loss_sum = torch.zeros(())
+    steps = 0
+    for _ in range(cfg.epochs):
+        order = data.indices[torch.randperm(n, generator=generator)]
+        for start in range(0, n, cfg.batch_size):
+            batch = order[start: start + cfg.batch_size]
+            if batch.numel() < min_batch:
+                continue
+            loss = method.local_loss(model, data.x[batch], data.y[batch], ctx)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.detach()
+            steps += 1
+    if steps and not torch.isfinite(loss_sum):
+        raise FloatingPointError(
+            f"client {ctx.client_id} diverged in round {ctx.round} (loss is {float(loss_sum)}); "
+            "lower train.lr or the method's coefficients"
+        )
+    return (float(loss_sum) / steps if steps else float("nan")), steps

@@ -1,0 +1,40 @@
+"""Local: every client trains alone, nothing is aggregated — the lower bound of collaboration.
+
+Reports the mean, over all clients, of each client model's accuracy on the global test set.
+"""
+import statistics
+
+from fedguide.methods.base import METHODS, Method
+
+
+@METHODS.register("local")
+class Local(Method):
+    """Local training only; accuracy = mean client-model accuracy on the global test set."""
+
+    def server_payload(self, round_, client_id, global_weights):
+        return {}  # nothing is communicated
+
+    def client_start(self, ctx):
+        # Every client begins from the same seeded initialisation, which needs no communication.
+        return ctx.state.get("weights", self.run.initial_weights)
+
+    def client_upload(self, model, ctx):
+        ctx.update_state(weights=self.run.layout.flatten(model))
+        return {"num_samples": len(ctx.data)}
+
+    def aggregate(self, round_, global_weights, uploads):
+        return global_weights
+
+    def evaluate(self, round_, global_weights):
+        accs, losses = [], []
+        for cid in range(self.run.num_clients):
+            weights = self.run.store.get(cid, round_).get("weights", self.run.initial_weights)
+            m = self.run.evaluator.evaluate(weights)
+            accs.append(m["accuracy"])
+            losses.append(m["test_loss"])
+        return {
+            "accuracy": statistics.fmean(accs),
+            "test_loss": statistics.fmean(losses),
+            "client_accuracy_min": min(accs),
+            "client_accuracy_max": max(accs),
+        }

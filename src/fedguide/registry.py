@@ -1,0 +1,71 @@
+"""Named registries: methods, datasets, partitions and models are looked up by the name a config gives.
+
+Each entry may carry a pydantic ``Params`` model; a config section ``{name: x, **params}`` is
+validated against it, so an unknown key or a wrong type is reported with the valid choices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+T = TypeVar("T")
+
+
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    name: str
+    obj: T
+    params: type[BaseModel]
+    summary: str
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, Entry[T]] = {}
+
+    def register(self, name: str, params: type[BaseModel] | None = None, summary: str = "") -> Callable[[T], T]:
+        def deco(obj: T) -> T:
+            if name in self._entries:
+                raise RuntimeError(f"{self.kind} '{name}' registered twice")
+            doc = summary or ((getattr(obj, "__doc__", "") or "").strip().splitlines() or [""])[0]
+            self._entries[name] = Entry(name, obj, params or getattr(obj, "Params", NoParams), doc)
+            return obj
+
+        return deco
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def entries(self) -> list[Entry[T]]:
+        return [self._entries[n] for n in self.names()]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def get(self, name: str) -> Entry[T]:
+        if name not in self._entries:
+            raise ConfigError(f"unknown {self.kind} '{name}'; valid choices: {', '.join(self.names())}")
+        return self._entries[name]
+
+    def parse_params(self, name: str, raw: dict[str, Any], where: str) -> BaseModel:
+        """Validate ``raw`` (the section without ``name``) against the entry's Params model."""
+        entry = self.get(name)
+        try:
+            return entry.params.model_validate(raw)
+        except ValidationError as err:
+            fields = ", ".join(entry.params.model_fields) or "(none)"
+            problems = "; ".join(
+                f"{where}.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
+            )
+            raise ConfigError(f"{problems} — valid keys for {self.kind} '{name}': name, {fields}") from None

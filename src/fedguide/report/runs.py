@@ -1,0 +1,245 @@
+"""Reading run directories written by the engine.
+
+The reader is deliberately tolerant of runs that are still going (no summary.json, a
+half-written last metrics line) because reports are often made while jobs are running;
+anything else that is malformed raises ValueError naming the file, so a broken run is
+never silently reported as a result.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+PARTITION_FILE = "partition.json"
+
+
+@dataclass
+class RunRecord:
+    path: Path
+    config: dict[str, Any]
+    summary: dict[str, Any] | None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    partition: dict[str, Any] | None = None
+
+    # --- identity -------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def complete(self) -> bool:
+        return self.summary is not None
+
+    def _section(self, key: str) -> dict[str, Any]:
+        sec = self.config.get(key)
+        return sec if isinstance(sec, dict) else {}
+
+    def _summary_get(self, key: str, default: Any = None) -> Any:
+        return (self.summary or {}).get(key, default)
+
+    @property
+    def method(self) -> str:
+        return str(self._summary_get("method") or self._section("method").get("name") or "?")
+
+    @property
+    def method_params(self) -> dict[str, Any]:
+        return {k: v for k, v in self._section("method").items() if k != "name"}
+
+    @property
+    def dataset(self) -> str:
+        return str(self._summary_get("dataset") or self._section("data").get("name") or "?")
+
+    @property
+    def partition_label(self) -> str:
+        label = self._summary_get("partition")
+        if label:
+            return str(label)
+        # An unfinished run has no summary; rebuild the same style of label from the config
+        # so it lands next to its finished siblings in the table.
+        sec = self._section("partition")
+        if not sec:
+            return "?"
+        params = ", ".join(f"{k}={_fmt_value(v)}" for k, v in sorted(sec.items()) if k != "name")
+        return f"{sec.get('name', '?')}({params})" if params else str(sec.get("name", "?"))
+
+    @property
+    def seed(self) -> Any:
+        seed = self._summary_get("seed")
+        return seed if seed is not None else self.config.get("seed")
+
+    @property
+    def num_clients(self) -> Any:
+        n = self._summary_get("num_clients")
+        return n if n is not None else self._section("clients").get("num")
+
+    @property
+    def rounds_planned(self) -> int | None:
+        r = self._summary_get("rounds")
+        if r is None:
+            r = self._section("train").get("rounds")
+        return int(r) if r is not None else None
+
+    @property
+    def rounds_done(self) -> int:
+        rounds = [m["round"] for m in self.metrics if isinstance(m.get("round"), (int, float))]
+        if rounds:
+            return int(max(rounds))
+        if self.summary is not None:
+            return len(self.summary.get("accuracy_curve") or [])
+        return 0
+
+    @property
+    def git_commit(self) -> str | None:
+        meta = self._section("meta")
+        return meta.get("git_commit")
+
+    # --- results --------------------------------------------------------------
+    def accuracy_series(self) -> tuple[list[int], list[float]]:
+        """(rounds, accuracies); prefers metrics.jsonl because it carries explicit round numbers."""
+        rounds, values = self.series("accuracy")
+        if rounds:
+            return rounds, values
+        curve = self._summary_get("accuracy_curve") or []
+        return list(range(1, len(curve) + 1)), [float(v) for v in curve]
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """Any numeric per-round metric; ``a.b`` reaches into dict-valued metrics such as
+        ``domain_accuracy.sketch``, so extra engine metrics stay usable without code here."""
+        rounds: list[int] = []
+        values: list[float] = []
+        for i, row in enumerate(self.metrics, start=1):
+            val: Any = row
+            for part in key.split("."):
+                val = val.get(part) if isinstance(val, dict) else None
+            if isinstance(val, (int, float)) and not isinstance(val, bool):
+                rounds.append(int(row.get("round", i)))
+                values.append(float(val))
+        return rounds, values
+
+    def numeric_metric_keys(self) -> list[str]:
+        keys: set[str] = set()
+        for row in self.metrics:
+            for k, v in row.items():
+                if isinstance(v, dict):
+                    keys.update(f"{k}.{sk}" for sk, sv in v.items() if _is_number(sv))
+                elif _is_number(v):
+                    keys.add(k)
+        return sorted(keys)
+
+    @property
+    def final_accuracy(self) -> float | None:
+        if self.summary is not None and self.summary.get("final_accuracy") is not None:
+            return float(self.summary["final_accuracy"])
+        _, acc = self.accuracy_series()
+        return acc[-1] if acc else None
+
+    @property
+    def best_accuracy(self) -> float | None:
+        if self.summary is not None and self.summary.get("best_accuracy") is not None:
+            return float(self.summary["best_accuracy"])
+        _, acc = self.accuracy_series()
+        finite = [a for a in acc if not math.isnan(a)]
+        return max(finite) if finite else None
+
+    @property
+    def wall_seconds(self) -> float | None:
+        if self.summary is not None and self.summary.get("wall_seconds") is not None:
+            return float(self.summary["wall_seconds"])
+        _, secs = self.series("seconds")
+        return sum(secs) if secs else None
+
+    @property
+    def bytes_up_per_round(self) -> float | None:
+        _, up = self.series("bytes_up")
+        return sum(up) / len(up) if up else None
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, sort_keys=True, separators=(",", ":"))
+    return str(v)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+
+
+def _read_metrics(path: Path, running: bool) -> list[dict[str, Any]]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    rows: list[dict[str, Any]] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            # The engine may be mid-write on the last line of a live run; that is not damage.
+            if running and lineno == len(lines):
+                break
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({err})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def load_run(path: str | Path) -> RunRecord:
+    """Load one run directory; raises ValueError if ``path`` is not one."""
+    path = Path(path)
+    metrics_path, summary_path = path / METRICS_FILE, path / SUMMARY_FILE
+    if not path.is_dir() or not (metrics_path.is_file() or summary_path.is_file()):
+        what = "is not a directory" if not path.is_dir() else f"has neither {METRICS_FILE} nor {SUMMARY_FILE}"
+        raise ValueError(
+            f"{path} is not a run directory: it {what} "
+            f"(expected a directory written by the engine containing {METRICS_FILE} and/or {SUMMARY_FILE})"
+        )
+
+    config: dict[str, Any] = {}
+    config_path = path / CONFIG_FILE
+    if config_path.is_file():
+        try:
+            loaded = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            raise ValueError(f"{config_path}: not valid YAML ({err})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"{config_path}: expected a YAML mapping, got {type(loaded).__name__}")
+        config = loaded or {}
+
+    summary = None
+    if summary_path.is_file():
+        summary = _read_json(summary_path)
+        if not isinstance(summary, dict):
+            raise ValueError(f"{summary_path}: expected a JSON object, got {type(summary).__name__}")
+
+    metrics = _read_metrics(metrics_path, running=summary is None) if metrics_path.is_file() else []
+
+    partition = None
+    partition_path = path / PARTITION_FILE
+    if partition_path.is_file():
+        partition = _read_json(partition_path)
+        if not isinstance(partition, dict) or not isinstance(partition.get("counts"), list):
+            raise ValueError(f"{partition_path}: expected an object with a 'counts' list (clients x classes)")
+
+    return RunRecord(path=path, config=config, summary=summary, metrics=metrics, partition=partition)
+
+
+def as_records(runs: Iterable[RunRecord | str | Path]) -> list[RunRecord]:
+    """Let the public functions take either loaded records or run directory paths."""
+    return [r if isinstance(r, RunRecord) else load_run(r) for r in runs]

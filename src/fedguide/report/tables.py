@@ -1,0 +1,170 @@
+"""Grouping runs across seeds and rendering the Markdown results table."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from fedguide.report.runs import RunRecord, _fmt_value, as_records
+
+BEST_FOOTNOTE = (
+    "† *best acc* is the maximum test accuracy over all evaluated rounds. It is picked with the "
+    "test set, so it is optimistic; *final acc* (last round) is the number to compare."
+)
+STD_FOOTNOTE = (
+    "± is the sample standard deviation (ddof=1) over seeds; \"n/a\" when there is a single seed. "
+    "MB up/round = `bytes_up` from metrics.jsonl in units of 10⁶ bytes, averaged over rounds, then over seeds."
+)
+INCOMPLETE_FOOTNOTE = (
+    "Incomplete runs (no summary.json yet) are listed on their own rows, after the complete ones, "
+    "with their latest/best accuracy so far; they are never averaged with complete runs."
+)
+
+
+@dataclass
+class Group:
+    """One table row: runs that differ only by seed, or a single incomplete run."""
+
+    method_label: str
+    dataset: str
+    partition: str
+    clients: Any
+    rounds: int | None
+    runs: list[RunRecord]
+    complete: bool
+
+    @property
+    def label(self) -> str:
+        """Display name, also used as the legend entry in plots."""
+        if self.complete:
+            return self.method_label
+        run = self.runs[0]
+        planned = run.rounds_planned if run.rounds_planned is not None else "?"
+        return f"{self.method_label} (incomplete, {run.rounds_done}/{planned} rounds)"
+
+    @property
+    def seeds(self) -> list[Any]:
+        seeds = [r.seed for r in self.runs]
+        try:
+            return sorted(seeds)
+        except TypeError:  # mixed None/int seeds from hand-written configs
+            return seeds
+
+    def _values(self, attr: str) -> list[float]:
+        return [v for v in (getattr(r, attr) for r in self.runs) if v is not None]
+
+    @property
+    def final_mean(self) -> float | None:
+        vals = self._values("final_accuracy")
+        return statistics.fmean(vals) if vals else None
+
+
+def _canonical(v: Any) -> str:
+    return json.dumps(v, sort_keys=True, default=str)
+
+
+def method_labels(runs: Iterable[RunRecord]) -> dict[int, str]:
+    """Label per run (keyed by id): the method name plus only those params that vary between runs
+    of that method, so fedprox mu=0.01 and mu=0.1 get separate rows while a table with a single
+    setting stays uncluttered."""
+    runs = list(runs)
+    by_method: dict[str, list[RunRecord]] = {}
+    for r in runs:
+        by_method.setdefault(r.method, []).append(r)
+
+    labels: dict[int, str] = {}
+    for method, members in by_method.items():
+        keys = sorted({k for r in members for k in r.method_params})
+        varying = [
+            k for k in keys
+            if len({_canonical(r.method_params[k]) if k in r.method_params else "<missing>"
+                    for r in members}) > 1
+        ]
+        for r in members:
+            parts = [f"{k}={_fmt_value(r.method_params[k])}" for k in varying if k in r.method_params]
+            labels[id(r)] = f"{method}({', '.join(parts)})" if parts else method
+    return labels
+
+
+def _sort_key(g: Group) -> tuple:
+    m = g.final_mean
+    missing = m is None or math.isnan(m)
+    return (not g.complete, missing, -(m if not missing else 0.0), g.label, g.dataset, g.partition)
+
+
+def group_runs(runs: Iterable[RunRecord]) -> list[Group]:
+    """Rows in display order: complete groups by final mean accuracy (descending), then incomplete runs.
+
+    Clients and planned rounds are part of the key as well as (method, dataset, partition): averaging
+    a 50-round run with a 200-round one would produce a number that describes neither.
+    """
+    runs = list(runs)
+    labels = method_labels(runs)
+    complete: dict[tuple, Group] = {}
+    rows: list[Group] = []
+    for r in runs:
+        key = (labels[id(r)], r.dataset, r.partition_label, _canonical(r.num_clients), r.rounds_planned)
+        if r.complete:
+            if key not in complete:
+                complete[key] = Group(labels[id(r)], r.dataset, r.partition_label, r.num_clients,
+                                      r.rounds_planned, [], True)
+                rows.append(complete[key])
+            complete[key].runs.append(r)
+        else:
+            rows.append(Group(labels[id(r)], r.dataset, r.partition_label, r.num_clients,
+                              r.rounds_planned, [r], False))
+    return sorted(rows, key=_sort_key)
+
+
+def _pct_mean_std(vals: list[float]) -> str:
+    if not vals:
+        return "n/a"
+    mean = statistics.fmean(vals) * 100
+    std = f"{statistics.stdev(vals) * 100:.2f}" if len(vals) > 1 else "n/a"
+    return f"{mean:.2f} ± {std}"
+
+
+def _mean(vals: list[float], fmt: str) -> str:
+    return format(statistics.fmean(vals), fmt) if vals else "n/a"
+
+
+def _cell(v: Any) -> str:
+    # A literal pipe would split the cell; labels come from user configs so this can happen.
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+HEADER = [
+    "method", "dataset", "partition", "clients", "rounds", "seeds",
+    "final acc % (mean ± std)", "best acc† % (max over rounds, mean ± std)",
+    "wall s (mean)", "MB up/round",
+]
+
+
+def results_table(runs: Iterable[RunRecord | str | Path], footnotes: bool = True) -> str:
+    """Markdown table, one row per (method label, dataset, partition) group of complete runs,
+    plus one row per incomplete run."""
+    runs = as_records(runs)
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * 7) + "|"]
+    for g in group_runs(runs):
+        up = [v / 1e6 for v in g._values("bytes_up_per_round")]
+        cells = [
+            g.label, g.dataset, g.partition,
+            "n/a" if g.clients is None else g.clients,
+            "n/a" if g.rounds is None else g.rounds,
+            ", ".join(str(s) for s in g.seeds),
+            _pct_mean_std(g._values("final_accuracy")),
+            _pct_mean_std(g._values("best_accuracy")),
+            _mean(g._values("wall_seconds"), ".1f"),
+            _mean(up, ".3f"),
+        ]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    text = "\n".join(lines) + "\n"
+    if footnotes:
+        notes = [BEST_FOOTNOTE, STD_FOOTNOTE]
+        if any(not r.complete for r in runs):
+            notes.append(INCOMPLETE_FOOTNOTE)
+        text += "\n" + "\n\n".join(notes) + "\n"
+    return text

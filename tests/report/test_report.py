@@ -1,0 +1,190 @@
+"""Report subpackage: run loading, the results table, plots and the report() entry point."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedguide.report import RunRecord, load_run, make_plots, report, results_table
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ROUNDS = 5
+
+
+def make_run(
+    root: Path,
+    name: str,
+    method: str,
+    seed: int,
+    finals: float,
+    *,
+    method_params: dict | None = None,
+    rounds_done: int = ROUNDS,
+    complete: bool = True,
+    counts: list[list[int]] | None = None,
+    partition_label: str = "dirichlet(alpha=0.1)",
+    bytes_up: int = 2_000_000,
+    wall: float = 10.0,
+) -> Path:
+    """A run directory in the engine's format; the curve rises linearly to ``finals`` and peaks one
+    round earlier at finals + 0.01, so final and best differ and a mix-up shows in the numbers."""
+    d = root / name
+    d.mkdir(parents=True)
+    config = {
+        "data": {"name": "cifar10"},
+        "partition": {"name": "dirichlet", "alpha": 0.1},
+        "method": {"name": method, **(method_params or {})},
+        "clients": {"num": 3, "per_round": 3},
+        "train": {"rounds": ROUNDS},
+        "seed": seed,
+        "meta": {"version": "0.1.0", "git_commit": "abc123"},
+    }
+    (d / "config.yaml").write_text(yaml.safe_dump(config))
+    curve = [finals * (r + 1) / ROUNDS for r in range(ROUNDS)]
+    curve[-2] = finals + 0.01
+    curve = curve[:rounds_done]
+    with open(d / "metrics.jsonl", "w") as fh:
+        for r, acc in enumerate(curve, start=1):
+            fh.write(json.dumps({"round": r, "accuracy": acc, "loss": 1.0 / r, "seconds": wall / ROUNDS,
+                                 "bytes_up": bytes_up, "bytes_down": bytes_up,
+                                 "domain_accuracy": {"a": acc, "b": acc / 2}}) + "\n")
+    if complete:
+        summary = {
+            "method": method, "dataset": "cifar10", "partition": partition_label, "num_clients": 3,
+            "rounds": ROUNDS, "seed": seed, "final_accuracy": curve[-1], "best_accuracy": max(curve),
+            "best_round": curve.index(max(curve)) + 1, "accuracy_curve": curve, "wall_seconds": wall,
+        }
+        (d / "summary.json").write_text(json.dumps(summary))
+    counts = counts or [[10, 0, 5, 1], [0, 20, 3, 2], [7, 7, 0, 9]]
+    (d / "partition.json").write_text(json.dumps({"num_classes": 4, "class_names": list("wxyz"), "counts": counts}))
+    return d
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> list[Path]:
+    other = [[1, 2, 3, 4], [4, 3, 2, 1], [0, 0, 9, 9]]
+    return [
+        make_run(tmp_path, "fedavg-s0", "fedavg", 0, 0.80),
+        make_run(tmp_path, "fedavg-s1", "fedavg", 1, 0.84, wall=20.0),
+        make_run(tmp_path, "fedprox-s0", "fedprox", 0, 0.85, method_params={"mu": 0.01}, counts=other),
+        make_run(tmp_path, "fedprox-s1", "fedprox", 1, 0.89, method_params={"mu": 0.01}, counts=other),
+        # Unfinished and with a suspiciously high accuracy: it must not leak into fedavg's mean.
+        make_run(tmp_path, "fedavg-s2", "fedavg", 2, 0.99, rounds_done=3, complete=False),
+    ]
+
+
+def table_rows(md: str) -> list[list[str]]:
+    rows = [line for line in md.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def test_load_run(runs):
+    rec = load_run(runs[0])
+    assert isinstance(rec, RunRecord)
+    assert rec.complete and rec.summary["final_accuracy"] == pytest.approx(0.80)
+    assert len(rec.metrics) == ROUNDS and rec.partition["num_classes"] == 4
+    assert rec.config["method"]["name"] == "fedavg"
+    # Extra metrics the engine writes stay reachable, nested dicts included.
+    assert "domain_accuracy.b" in rec.numeric_metric_keys()
+    assert rec.series("domain_accuracy.b")[1][-1] == pytest.approx(0.40)
+
+    live = load_run(runs[4])
+    assert not live.complete and live.summary is None
+    assert live.rounds_done == 3 and live.rounds_planned == ROUNDS
+    assert live.partition_label == "dirichlet(alpha=0.1)"  # rebuilt from config, matching the summary label
+
+
+def test_table_values_order_and_incomplete(runs):
+    md = results_table([load_run(p) for p in runs])
+    header = [line for line in md.splitlines() if line.startswith("|")][0]
+    assert "best acc†" in header and "max over rounds" in header and "final acc" in header
+    assert "†" in md.split(header)[1]  # the footnote explaining "best" is present
+
+    rows = table_rows(md)
+    assert [r[0] for r in rows] == ["fedprox", "fedavg", "fedavg (incomplete, 3/5 rounds)"]
+    prox, avg, live = rows
+    assert prox[6] == "87.00 ± 2.83"
+    assert avg[6] == "82.00 ± 2.83"  # mean/std of 0.80 and 0.84 only; the 0.99 incomplete run excluded
+    assert avg[7] == "83.00 ± 2.83"  # best = final + 1 point in the fixture
+    assert avg[5] == "0, 1" and avg[1] == "cifar10" and avg[2] == "dirichlet(alpha=0.1)"
+    assert avg[3] == "3" and avg[4] == "5"
+    assert avg[8] == "15.0"  # mean wall seconds of 10 and 20
+    assert avg[9] == "2.000"  # MB up per round
+    assert live[5] == "2" and live[6].endswith("± n/a")
+
+
+def test_method_params_that_differ_split_rows(tmp_path):
+    paths = [
+        make_run(tmp_path, "p1", "fedprox", 0, 0.70, method_params={"mu": 0.01, "lr": 0.1}),
+        make_run(tmp_path, "p2", "fedprox", 0, 0.75, method_params={"mu": 0.1, "lr": 0.1}),
+        make_run(tmp_path, "a", "fedavg", 0, 0.60),
+    ]
+    rows = table_rows(results_table(paths))
+    # Only the varying param is shown; the shared lr would be noise.
+    assert [r[0] for r in rows] == ["fedprox(mu=0.1)", "fedprox(mu=0.01)", "fedavg"]
+    assert rows[0][6] == "75.00 ± n/a"
+
+
+def test_plots_are_valid_pngs(runs, tmp_path):
+    out = tmp_path / "plots-out"
+    paths = make_plots([load_run(p) for p in runs], out)
+    names = sorted(p.name for p in paths)
+    # Five runs, two distinct partition.json contents -> two heatmaps.
+    assert names == ["accuracy_curves.png", "partition_fedavg-s0.png", "partition_fedprox-s0.png"]
+    for p in paths:
+        data = p.read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 5_000, p
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]  # no temp files left behind
+
+
+def test_report_several_runs(runs, tmp_path):
+    res = report(runs)
+    assert res.out_dir.parent == tmp_path and re.fullmatch(r"report-\d{8}-\d{6}", res.out_dir.name)
+    assert res.markdown_path == res.out_dir / "report.md" and res.markdown_path.read_text() == res.markdown
+    assert "82.00 ± 2.83" in res.markdown and "incomplete, 3/5 rounds" in res.markdown
+    assert "accuracy_curves.png" in res.markdown
+    assert all(p.is_file() and p.read_bytes()[:8] == PNG_MAGIC for p in res.plot_paths)
+
+    again = report(runs)  # a second report in the same second must not overwrite the first
+    assert again.out_dir != res.out_dir and res.markdown_path.exists()
+
+
+def test_report_single_run_defaults_to_plots_dir(runs):
+    res = report([runs[0]])
+    assert res.out_dir == runs[0] / "plots"
+    assert (runs[0] / "plots" / "report.md").is_file()
+    assert (runs[0] / "plots" / "accuracy_curves.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_report_explicit_out(runs, tmp_path):
+    out = tmp_path / "custom"
+    res = report(runs[:2] + [runs[0]], out)  # duplicate path is not counted as another seed
+    assert res.out_dir == out and len(res.runs) == 2
+    assert table_rows(res.markdown)[0][5] == "0, 1"
+
+
+def test_bad_path_raises_value_error(tmp_path):
+    empty = tmp_path / "not-a-run"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=re.escape(str(empty))) as err:
+        load_run(empty)
+    assert "metrics.jsonl" in str(err.value)
+    missing = tmp_path / "does-not-exist"
+    with pytest.raises(ValueError, match=re.escape(str(missing))):
+        report([missing])
+
+
+def test_partial_last_metrics_line_of_live_run_is_tolerated(tmp_path):
+    d = make_run(tmp_path, "live", "fedavg", 0, 0.5, rounds_done=2, complete=False)
+    with open(d / "metrics.jsonl", "a") as fh:
+        fh.write('{"round": 3, "accur')  # engine mid-write
+    assert load_run(d).rounds_done == 2
+
+    done = make_run(tmp_path, "done", "fedavg", 0, 0.5)
+    with open(done / "metrics.jsonl", "a") as fh:
+        fh.write('{"round": 6, "accur')
+    with pytest.raises(ValueError, match="metrics.jsonl:6"):
+        load_run(done)
