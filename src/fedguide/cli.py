@@ -15,7 +15,7 @@ from fedguide.registry import ConfigError
 def _console():
     from rich.console import Console
 
-    return Console(stderr=False, highlight=False)
+    return Console(highlight=False, soft_wrap=True)
 
 
 def _progress(console, quiet: bool):

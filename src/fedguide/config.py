@@ -77,6 +77,10 @@ class Config(Strict):
         return self
 
 
+# Keys a named section owns itself (not parameters of the entry it names).
+SECTION_KEYS = {"data": ("fraction",)}
+
+
 def parse_value(text: str) -> Any:
     """Override values are YAML scalars/lists: 'mu=0.01' -> 0.01, 'regularizers=[dw]' -> ['dw']."""
     try:
@@ -101,9 +105,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                 raise ConfigError(f"override '{key}': '{p}' is a value, not a section")
             node = nxt
         if parts[-1] == "name" and len(parts) == 2 and node.get("name") not in (None, value):
-            # Switching method/model/partition drops the old entry's parameters, which the new one
-            # would reject as unknown keys.
+            # Switching method/model/partition/dataset drops the old entry's parameters, which the
+            # new one would reject as unknown keys; the section's own keys (data.fraction) stay.
+            own = set(SECTION_KEYS.get(parts[0], ()))
+            kept = {k: v for k, v in node.items() if k in own}
             node.clear()
+            node.update(kept)
         node[parts[-1]] = parse_value(value)
     return out
 

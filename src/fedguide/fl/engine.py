@@ -91,6 +91,10 @@ def prepare(cfg: Config) -> Prepared:
                            derive_seed(cfg.seed, "partition"))
     method_cls = METHODS.get(cfg.method.name).obj
     client_indices = method_cls.federation([used[p] for p in parts])
+    try:  # an architecture that cannot take these inputs is a config error, found before any run dir exists
+        build_model(cfg.model.name, params["model"], ModelSpec(splits.input_shape, splits.num_classes))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return Prepared(cfg, params, FederatedData(splits, client_indices), method_cls)
 
 

@@ -41,7 +41,8 @@ class ClientStateStore:
     def put(self, client_id: int, round_: int, state: State) -> None:
         folder = self._pending(round_) / str(client_id)
         folder.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+        # clone: safetensors refuses tensors that share storage (a view of another entry).
+        tensors = {k: v.detach().clone().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
         scalars = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
         write_atomic(folder / "tensors.safetensors", lambda tmp: save_file(tensors, tmp))
         write_text(folder / "scalars.json", json.dumps(scalars))

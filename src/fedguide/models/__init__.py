@@ -5,7 +5,7 @@ from typing import Any
 
 from fedguide.models.registry import MODELS, ModelSpec
 from fedguide.models.split import SplitModel
-from fedguide.models import cnn, resnet  # noqa: F401
+from fedguide.models import cnn, mlp, resnet  # noqa: F401
 
 
 def build_model(name: str, params: Any, spec: ModelSpec) -> SplitModel:

@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 import urllib.request
+import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -33,15 +34,21 @@ LAYOUTS = ("", "fashion-mnist", "fmnist", "FashionMNIST/raw", "FashionMNIST")
 def read_idx(path: Path) -> np.ndarray:
     """Parse an IDX file (the format's header: 2 zero bytes, a type code, the rank, then big-endian dims)."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        data = fh.read()
+    try:
+        with opener(path, "rb") as fh:
+            data = fh.read()
+    except (EOFError, OSError, zlib.error) as err:
+        raise ConfigError(f"{path} is corrupt or truncated ({err}); re-download it") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
         raise ConfigError(f"{path} is not an unsigned-byte IDX file; re-download it or fix data.root")
     rank = data[3]
+    if len(data) < 4 + 4 * rank:
+        raise ConfigError(f"{path} is truncated inside its header; re-download it")
     dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(rank)]
     body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * rank)
     if body.size != int(np.prod(dims)):
-        raise ConfigError(f"{path} is truncated ({body.size} of {int(np.prod(dims))} values); re-download it")
+        raise ConfigError(f"{path} has {body.size} values where its header promises {int(np.prod(dims))}; "
+                          "re-download it")
     return body.reshape(dims)
 
 
@@ -88,6 +95,8 @@ def load_fmnist(params: SourceParams) -> DatasetSplits:
     if found is None:
         target = default_download_dir()
         try:
+            if os.environ.get("FEDGUIDE_OFFLINE") == "1":
+                raise OSError("downloads disabled by FEDGUIDE_OFFLINE=1")
             found = download(target)
         except OSError as err:
             looked = ", ".join(str(p) for p in candidate_roots(params.root, "FEDGUIDE_DATA", SYSTEM_DIR))

@@ -1,0 +1,24 @@
+"""A small MLP: any image size, fast enough for tests and the 8x8 digits."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from fedguide.models.registry import MODELS, ModelSpec
+from fedguide.models.split import SplitModel
+
+
+class MLPParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hidden: int = Field(128, ge=1)
+    feature_dim: int = Field(64, ge=1)
+
+
+@MODELS.register("mlp", params=MLPParams, summary="flatten + 2 hidden layers (d=64), linear head; for small inputs")
+def build_mlp(params: MLPParams, spec: ModelSpec) -> SplitModel:
+    c, h, w = spec.input_shape
+    encoder = nn.Sequential(
+        nn.Flatten(), nn.Linear(c * h * w, params.hidden), nn.ReLU(inplace=True),
+        nn.Linear(params.hidden, params.feature_dim), nn.ReLU(inplace=True),
+    )
+    return SplitModel(encoder, nn.Linear(params.feature_dim, spec.num_classes), params.feature_dim)

@@ -1,0 +1,94 @@
+"""The command line end to end: the smoke config on real Fashion-MNIST, listing, dry runs, errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from helpers import REPO, cli, metrics, summary, tiny_config
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.e2e
+def test_smoke_config_writes_the_run_directory_contract(tmp_path):
+    run = tmp_path / "smoke"
+    out = cli("run", str(REPO / "configs/smoke.yaml"), "--out", str(run))
+    assert "final accuracy" in out.stdout
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["seed"] == 0 and cfg["method"]["name"] == "fedavg"
+    assert cfg["meta"]["version"] and "git_commit" in cfg["meta"]
+    assert cfg["partition"]["alpha"] == 0.5 and cfg["partition"]["min_size"] == 10  # resolved defaults
+
+    rows = metrics(run)
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert {"round", "accuracy", "loss", "seconds", "bytes_up", "bytes_down"} <= r.keys()
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["bytes_up"] > 0 and r["bytes_down"] > 0
+
+    s = summary(run)
+    for key in ("method", "dataset", "partition", "num_clients", "rounds", "seed", "final_accuracy",
+                "best_accuracy", "best_round", "accuracy_curve", "wall_seconds"):
+        assert key in s, key
+    assert s["final_accuracy"] == rows[-1]["accuracy"]
+    assert s["best_accuracy"] == max(r["accuracy"] for r in rows)
+    assert s["final_accuracy"] > 0.3, "3 rounds of FedAvg on 3000 FMNIST images learn something"
+
+    part = json.loads((run / "partition.json").read_text())
+    assert len(part["counts"]) == 4 and sum(map(sum, part["counts"])) == 3000
+    assert (run / "checkpoints" / "last.safetensors").is_file()
+
+    rep = cli("report", str(run))
+    assert "| fedavg | fmnist |" in rep.stdout
+    for name in ("accuracy_curves.png", "partition_smoke.png"):
+        assert (run / "plots" / name).read_bytes()[:8] == PNG
+
+
+def test_list_json_names_every_registry():
+    listing = json.loads(cli("list", "--json").stdout)
+    assert set(listing) >= {"methods", "datasets", "partitions", "models"}
+    names = {k: {e["name"] for e in v} for k, v in listing.items()}
+    assert {"fedavg", "fedprox", "local", "centralized"} <= names["methods"]
+    assert {"fmnist", "digits"} <= names["datasets"]
+    assert {"iid", "dirichlet", "shards", "nid2", "longtail"} <= names["partitions"]
+    assert {"cnn", "resnet10"} <= names["models"]
+
+
+def test_dry_run_validates_and_trains_nothing(tmp_path):
+    cfg = tiny_config(tmp_path / "cfg.yaml")
+    out = cli("run", str(cfg), "--dry-run", "--out", str(tmp_path / "run"), "method.name=fedprox", "method.mu=0.5")
+    resolved = yaml.safe_load(out.stdout.split("partition summary:")[0])
+    assert resolved["method"] == {"name": "fedprox", "mu": 0.5}
+    summary_line = json.loads(out.stdout.split("partition summary:")[1])
+    assert summary_line["num_clients"] == 4
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("method.name=fedsgd", "valid choices: centralized, fedavg"),
+        ("train.lr=-1", "train.lr"),
+        ("train.lrr=0.1", "valid keys"),
+        ("clients.per_round=9", "lower clients.per_round"),
+        ("partition.name=nid2", "clients.num"),
+        ("model.name=cnn", "at least 12x12"),
+    ],
+)
+def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path, override, expected):
+    cfg = tiny_config(tmp_path / "cfg.yaml")
+    proc = cli("run", str(cfg), "--out", str(tmp_path / "run"), override, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_sweep_runs_every_combination_and_prints_a_table(tmp_path):
+    cfg = tiny_config(tmp_path / "cfg.yaml", train={"rounds": 2})
+    out = cli("run", str(cfg), "--out", str(tmp_path / "sweep"), "--quiet",
+              "--sweep", "method.name=fedavg,fedprox", "--sweep", "seed=0,1")
+    runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if (p / "summary.json").exists())
+    assert runs == ["name=fedavg-seed=0", "name=fedavg-seed=1", "name=fedprox-seed=0", "name=fedprox-seed=1"]
+    assert "| fedavg | digits |" in out.stdout and "| fedprox | digits |" in out.stdout
