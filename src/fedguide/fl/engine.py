@@ -194,7 +194,9 @@ class Experiment:
             ctx.layout.load(ctx.model, method.client_start(cctx))
             seed = derive_seed(cfg.seed, "client", r, cid)
             torch.manual_seed(seed)  # dropout and other in-model randomness
-            loss, _ = train_local(ctx.model, method, cctx, cfg.train, torch_generator(cfg.seed, "client", r, cid))
+            loss, cctx.steps = train_local(ctx.model, method, cctx, cfg.train,
+                                           torch_generator(cfg.seed, "client", r, cid))
+            cctx.train_loss = loss
             upload = method.client_upload(ctx.model, cctx)
             if cctx.state_dirty:
                 ctx.store.put(cid, r, cctx.state)

@@ -24,3 +24,15 @@ class Evaluator:
             correct += int((logits.argmax(1) == yb).sum())
         n = len(self.y)
         return {"accuracy": correct / n, "test_loss": loss_sum / n}
+
+    @torch.no_grad()
+    def features(self, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(z, logits, labels) of the whole test set, for methods that classify in feature space."""
+        self.layout.load(self.model, weights)
+        self.model.eval()
+        zs, logits = [], []
+        for start in range(0, len(self.y), self.batch_size):
+            z, out = self.model.forward_features(self.x[start: start + self.batch_size])
+            zs.append(z)
+            logits.append(out)
+        return torch.cat(zs), torch.cat(logits), self.y

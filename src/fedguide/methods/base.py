@@ -50,6 +50,8 @@ class ClientContext:
     state: dict[str, Any]
     scratch: dict[str, Any] = field(default_factory=dict)  # per-round, never persisted
     state_dirty: bool = False
+    steps: int = 0  # optimiser steps taken in this round's local training (set after training)
+    train_loss: float = float("nan")
 
     def update_state(self, **values: Any) -> None:
         self.state.update(values)
