@@ -24,7 +24,8 @@ class RunContext:
     layout: WeightLayout
     initial_weights: torch.Tensor
     evaluator: Evaluator
-    store: ClientStateStore
+    store: ClientStateStore  # client-side state, one entry per client (lives with the client)
+    server_store: ClientStateStore  # server-side memory per client (e.g. FedCDA's past models)
     run_dir: Path
 
     @property

@@ -131,6 +131,7 @@ class Experiment:
             evaluator=Evaluator(model, layout, self.p.data.splits.test_x, self.p.data.splits.test_y,
                                 cfg.train.eval_batch_size),
             store=ClientStateStore(self.run_dir / "client_state"),
+            server_store=ClientStateStore(self.run_dir / "server_state"),
             run_dir=self.run_dir,
         )
         return ctx, self.p.method_cls(self.p.params["method"], ctx)
@@ -154,7 +155,7 @@ class Experiment:
         if ckpt is None:
             self._write_static()
             method.setup()
-            global_w, metrics, start, wall0 = ctx.initial_weights.clone(), [], 1, 0.0
+            global_w, metrics, start, wall0 = method.init_global(ctx.initial_weights.clone()), [], 1, 0.0
         else:
             saved = json.loads((self.run_dir / "partition.json").read_text())
             if saved["counts"] != self._partition_record()["counts"]:
@@ -163,6 +164,7 @@ class Experiment:
             method.setup()
             method.load_server_state(ckpt.method_state)
             ctx.store.recover(ckpt.round)
+            ctx.server_store.recover(ckpt.round)
             global_w, metrics, start, wall0 = ckpt.global_weights, ckpt.metrics, ckpt.round + 1, ckpt.wall_seconds
             write_jsonl(self.run_dir / "metrics.jsonl", metrics)
             self.log(f"resuming {self.run_dir} after round {ckpt.round}")
@@ -177,6 +179,7 @@ class Experiment:
                                        wall0 + time.perf_counter() - t_run))
             write_jsonl(self.run_dir / "metrics.jsonl", metrics)
             ctx.store.commit(r)
+            ctx.server_store.commit(r)
             self.log(round_line(m, rounds))
             if task is not None:
                 self.progress.update(task, advance=1)

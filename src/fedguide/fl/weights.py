@@ -48,3 +48,18 @@ class WeightLayout:
             torch.full((int(torch.Size(s).numel()),), n in params, dtype=torch.bool)
             for n, s in zip(self.names, self.shapes)
         ])
+
+    def span(self, prefix: str) -> slice:
+        """The contiguous range of the flat vector holding the entries under ``prefix`` (e.g. 'head.')."""
+        offset, start, stop = 0, None, None
+        for name, shape in zip(self.names, self.shapes):
+            n = int(torch.Size(shape).numel())
+            if name.startswith(prefix):
+                if stop is not None and start is not None and offset != stop:
+                    raise ValueError(f"entries under '{prefix}' are not contiguous in the weight vector")
+                start = offset if start is None else start
+                stop = offset + n
+            offset += n
+        if start is None:
+            raise ValueError(f"no weights under '{prefix}'; names start with {sorted({n.split('.')[0] for n in self.names})}")
+        return slice(start, stop)

@@ -74,7 +74,12 @@ class Method:
         return client_indices
 
     def setup(self) -> None:
-        """Once on the server before round 1 (fit bases, precompute features, build prototypes)."""
+        """On the server before the first round of this process (also on resume): fit bases,
+        precompute features, build prototypes. Server state that evolves goes in ``server_state``."""
+
+    def init_global(self, weights: torch.Tensor) -> torch.Tensor:
+        """The round-1 global weights (a fresh run only), e.g. FedNH's fixed prototype head."""
+        return weights
 
     # ---- server -> client ---------------------------------------------------------------------
     def server_payload(self, round_: int, client_id: int, global_weights: torch.Tensor) -> Record:
