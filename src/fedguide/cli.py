@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from fedguide.fl.workers import WorkerCrashed
 from fedguide.registry import ConfigError
 
 
@@ -73,6 +74,8 @@ def _run_one(config_path: Path, overrides: list[str], run_dir: Optional[Path], d
     except KeyboardInterrupt:
         console.print(f"interrupted; continue with: fedguide resume {run_dir}")
         raise SystemExit(130)
+    except WorkerCrashed as err:
+        raise WorkerCrashed(f"{err}\ncontinue with: fedguide resume {run_dir}") from None
     console.print(f"final accuracy {100 * summary['final_accuracy']:.2f}%  "
                   f"(best {100 * summary['best_accuracy']:.2f}% at round {summary['best_round']})  "
                   f"{summary['wall_seconds']:.0f} s  -> {run_dir}")
@@ -202,7 +205,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.overrides = list(args.overrides) + extra
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FloatingPointError) as err:
+    except (ConfigError, ValueError, FloatingPointError, WorkerCrashed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

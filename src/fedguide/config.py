@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -42,6 +42,10 @@ class ClientsConfig(Strict):
 
 class RuntimeConfig(Strict):
     name: Literal["local"] = "local"
+    workers: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
+        "auto", description="processes training the clients of a round; 1 = in the server process")
+    threads_per_worker: Optional[int] = Field(
+        None, ge=1, description="torch intra-op threads per process; null = chosen with workers")
 
 
 class TrainConfig(Strict):
@@ -53,7 +57,6 @@ class TrainConfig(Strict):
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(1e-5, ge=0.0)
     eval_batch_size: int = Field(1024, ge=1)
-    threads: Optional[int] = Field(None, ge=1, description="torch intra-op threads; null = torch's default")
 
 
 class Config(Strict):

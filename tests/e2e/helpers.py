@@ -21,7 +21,8 @@ def tiny_config(path: Path, **sections) -> Path:
         "model": {"name": "mlp"},
         "method": {"name": "fedavg"},
         "clients": {"num": 4, "per_round": 2},
-        "train": {"rounds": 6, "epochs": 3, "batch_size": 16, "lr": 0.05, "threads": 1},
+        "train": {"rounds": 6, "epochs": 3, "batch_size": 16, "lr": 0.05},
+        "runtime": {"workers": 1, "threads_per_worker": 1},
         "seed": 3,
     }
     for k, v in sections.items():

@@ -36,7 +36,8 @@ def _kill_after(cfg, run_dir, rounds_done: int) -> int:
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "method,kill_after",
-    [("fedavg", 1), ("fedavg", 4), ("fedprox", 2), ("local", 3)],  # local keeps per-client state on disk
+    [("fedavg", 1), ("fedavg", 4), ("fedprox", 2), ("local", 3), ("moon", 2), ("fedrcl", 2)],
+    # local and moon keep per-client state on disk (moon: the previous local model)
 )
 def test_killed_run_resumes_to_identical_result(tmp_path, method, kill_after):
     cfg = tiny_config(tmp_path / "cfg.yaml", method={"name": method})

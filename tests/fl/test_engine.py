@@ -19,7 +19,8 @@ def config(**over):
         "model": {"name": "mlp"},
         "method": {"name": "fedavg"},
         "clients": {"num": 4, "per_round": 2},
-        "train": {"rounds": 3, "epochs": 1, "batch_size": 32, "lr": 0.05, "threads": 1},
+        "train": {"rounds": 3, "epochs": 1, "batch_size": 32, "lr": 0.05},
+        "runtime": {"workers": 1, "threads_per_worker": 1},
         "seed": 1,
     }
     for k, v in over.items():
@@ -72,7 +73,7 @@ def test_local_keeps_one_model_per_client_and_reports_their_mean(tmp_path):
     # Recompute the reported accuracy from the stored client models.
     prepared = prepare(config(method={"name": "local"}, clients={"num": 4, "per_round": 4}))
     exp = Experiment(prepared, tmp_path / "scratch", log=lambda s: None)
-    ctx, _ = exp._build()
+    ctx, _ = exp.build_context()
     accs = [ctx.evaluator.evaluate(s["weights"])["accuracy"] for s in states]
     assert rows[-1]["accuracy"] == pytest.approx(sum(accs) / 4)
     assert rows[-1]["client_accuracy_min"] == pytest.approx(min(accs))

@@ -27,11 +27,11 @@ from fedguide.fl.atomic import write_json, write_jsonl, write_text
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedguide.fl.context import RunContext
 from fedguide.fl.evaluation import Evaluator
-from fedguide.fl.seeding import derive_seed, numpy_rng, sample_clients, torch_generator
+from fedguide.fl.seeding import derive_seed, numpy_rng, sample_clients
 from fedguide.fl.state import ClientStateStore
-from fedguide.fl.training import train_local
+from fedguide.fl.workers import InProcess, WorkerPool, resolve_workers
 from fedguide.fl.weights import WeightLayout
-from fedguide.methods import METHODS, ClientContext, Method, record_bytes
+from fedguide.methods import METHODS, Method, record_bytes
 from fedguide.models import MODELS, ModelSpec, build_model
 from fedguide.registry import ConfigError
 
@@ -113,10 +113,8 @@ class Experiment:
         self.progress = progress  # a rich Progress or None
 
     # ---- set-up -------------------------------------------------------------------------------
-    def _build(self) -> tuple[RunContext, Method]:
+    def build_context(self) -> tuple[RunContext, Method]:
         cfg = self.cfg
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
         spec = ModelSpec(self.p.data.splits.input_shape, self.p.data.num_classes)
         torch.manual_seed(derive_seed(cfg.seed, "model"))
         model = build_model(cfg.model.name, self.p.params["model"], spec)
@@ -150,7 +148,14 @@ class Experiment:
     # ---- the loop -----------------------------------------------------------------------------
     def run(self, resume: bool = False) -> dict[str, Any]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        ctx, method = self._build()
+        ctx, method = self.build_context()
+        workers, threads = resolve_workers(self.cfg.runtime, min(self.cfg.clients.per_round, ctx.num_clients),
+                                           ctx.layout.numel)
+        if threads:
+            # The server evaluates with the workers' thread count too: results then do not depend
+            # on how many workers trained the clients.
+            torch.set_num_threads(threads)
+        self.workers, self.threads = workers, torch.get_num_threads()
         ckpt = load_checkpoint(self.run_dir / "checkpoints") if resume else None
         if ckpt is None:
             self._write_static()
@@ -171,42 +176,36 @@ class Experiment:
         rounds = self.cfg.train.rounds
         t_run = time.perf_counter()
         task = self.progress.add_task("rounds", total=rounds, completed=start - 1) if self.progress else None
-        for r in range(start, rounds + 1):
-            global_w, m = self._round(r, ctx, method, global_w)
-            metrics.append(m)
-            save_checkpoint(self.run_dir / "checkpoints",
-                            Checkpoint(r, global_w, method.server_state(), metrics,
-                                       wall0 + time.perf_counter() - t_run))
-            write_jsonl(self.run_dir / "metrics.jsonl", metrics)
-            ctx.store.commit(r)
-            ctx.server_store.commit(r)
-            self.log(round_line(m, rounds))
-            if task is not None:
-                self.progress.update(task, advance=1)
+        clients = (WorkerPool(self.p, self.run_dir, workers, self.threads, ctx.layout.numel) if workers > 1
+                   else InProcess(ctx, method, self.cfg))
+        try:
+            for r in range(start, rounds + 1):
+                global_w, m = self._round(r, ctx, method, clients, global_w)
+                metrics.append(m)
+                save_checkpoint(self.run_dir / "checkpoints",
+                                Checkpoint(r, global_w, method.server_state(), metrics,
+                                           wall0 + time.perf_counter() - t_run))
+                write_jsonl(self.run_dir / "metrics.jsonl", metrics)
+                ctx.store.commit(r)
+                ctx.server_store.commit(r)
+                self.log(round_line(m, rounds))
+                if task is not None:
+                    self.progress.update(task, advance=1)
+        finally:
+            clients.close()
         return self._finish(ctx, global_w, metrics, wall0 + time.perf_counter() - t_run)
 
-    def _round(self, r: int, ctx: RunContext, method: Method, global_w: torch.Tensor):
+    def _round(self, r: int, ctx: RunContext, method: Method, clients, global_w: torch.Tensor):
         cfg = self.cfg
         t0 = time.perf_counter()
-        clients = sample_clients(cfg.seed, r, ctx.num_clients, min(cfg.clients.per_round, ctx.num_clients))
-        uploads, down, up, loss_sum, n_sum = [], 0, 0, 0.0, 0
-        for cid in clients:
-            payload = method.server_payload(r, cid, global_w)
-            down += record_bytes(payload)
-            cctx = ClientContext(cid, r, ctx.data.client(cid), payload, ctx.store.get(cid))
-            ctx.layout.load(ctx.model, method.client_start(cctx))
-            seed = derive_seed(cfg.seed, "client", r, cid)
-            torch.manual_seed(seed)  # dropout and other in-model randomness
-            loss, cctx.steps = train_local(ctx.model, method, cctx, cfg.train,
-                                           torch_generator(cfg.seed, "client", r, cid))
-            cctx.train_loss = loss
-            upload = method.client_upload(ctx.model, cctx)
-            if cctx.state_dirty:
-                ctx.store.put(cid, r, cctx.state)
-            up += record_bytes(upload)
-            uploads.append({**upload, "client_id": cid})
-            loss_sum += loss * len(cctx.data)
-            n_sum += len(cctx.data)
+        chosen = sample_clients(cfg.seed, r, ctx.num_clients, min(cfg.clients.per_round, ctx.num_clients))
+        jobs = [(cid, method.server_payload(r, cid, global_w)) for cid in chosen]
+        down = sum(record_bytes(payload) for _, payload in jobs)
+        results = clients.run_round(r, jobs, global_w)
+        uploads = [{**res.upload, "client_id": res.client_id} for res in results]
+        up = sum(record_bytes(res.upload) for res in results)
+        n_sum = sum(res.num_samples for res in results)
+        loss_sum = sum(res.loss * res.num_samples for res in results)
         t_train = time.perf_counter()
         global_w = method.aggregate(r, global_w, uploads)
         t_agg = time.perf_counter()
@@ -214,7 +213,7 @@ class Experiment:
         t_eval = time.perf_counter()
         m = {"round": r, "accuracy": evaluation["accuracy"], "loss": loss_sum / max(n_sum, 1),
              "seconds": t_eval - t0, "train_seconds": t_train - t0, "aggregate_seconds": t_agg - t_train,
-             "eval_seconds": t_eval - t_agg, "bytes_up": up, "bytes_down": down, "clients": clients}
+             "eval_seconds": t_eval - t_agg, "bytes_up": up, "bytes_down": down, "clients": chosen}
         m.update({k: v for k, v in evaluation.items() if k != "accuracy"})
         return global_w, m
 
@@ -246,6 +245,8 @@ class Experiment:
                                    for a in ROUND_ACCURACY_MARKS},
             "wall_seconds": wall,
             "mean_round_seconds": float(np.mean([m["seconds"] for m in metrics])),
+            "workers": self.workers,
+            "threads_per_worker": self.threads,
             "bytes_up_total": int(sum(m["bytes_up"] for m in metrics)),
             "bytes_down_total": int(sum(m["bytes_down"] for m in metrics)),
         }

@@ -1,0 +1,175 @@
+"""Clients of a round trained in a pool of worker processes, started once per run.
+
+Small FL models use cores poorly through intra-op threads; several single-thread processes train
+them faster. The training tensors are moved to shared memory once and reach the workers without a
+copy; the global weights go through one shared buffer per round; uploads come back as the same
+plain records a network runtime carries. Results are put in client-id order before aggregation,
+and every random stream is derived from (seed, round, client), so the number of workers does not
+change the result (given the same threads per worker).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+from fedguide.fl.client_step import ClientResult, run_client
+from fedguide.methods.base import Record
+
+GLOBAL = "__fedguide_global_weights__"  # stands for the shared global-weights buffer in a payload
+POLL_SECONDS = 0.5
+
+
+class WorkerCrashed(RuntimeError):
+    """A worker process died; the run stops, resumable from its last checkpoint."""
+
+
+def auto_workers(cores: int, per_round: int, num_params: int) -> tuple[int, int]:
+    """(workers, threads per worker) from the core count and the model size.
+
+    Models under ~5 M parameters barely profit from intra-op threads, so they get one thread per
+    process and as many processes as cores (never more than the clients of a round); larger models
+    get two threads each.
+    """
+    threads = 1 if num_params < 5_000_000 else 2
+    workers = max(1, min(per_round, cores // threads))
+    return workers, threads
+
+
+def _die_with_parent() -> None:
+    # Linux: the kernel kills this worker when the server process dies, even by SIGKILL: no orphans.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker(prepared, run_dir: str, threads: int, weights: torch.Tensor, tasks, results, parent: int) -> None:
+    _die_with_parent()
+    torch.set_num_threads(threads)
+    from fedguide.fl.engine import Experiment
+
+    ctx, method = Experiment(prepared, Path(run_dir), log=lambda s: None).build_context()
+    method.setup()
+    cfg = prepared.config
+    while True:
+        try:
+            job = tasks.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            if os.getppid() != parent:  # the server is gone (non-Linux fallback of the death signal)
+                return
+            continue
+        if job is None:
+            return
+        round_, client_id, payload = job
+        payload = {k: (weights if isinstance(v, str) and v == GLOBAL else v) for k, v in payload.items()}
+        try:
+            res = run_client(ctx, method, cfg.train, cfg.seed, round_, client_id, payload)
+            results.put(("ok", client_id, res))
+        except BaseException as err:  # report, with the client, instead of dying silently
+            results.put(("error", client_id, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+
+
+class WorkerPool:
+    def __init__(self, prepared, run_dir: Path, workers: int, threads: int, num_weights: int):
+        splits = prepared.data.splits
+        for t in (splits.train_x, splits.train_y):
+            t.share_memory_()  # moved once; workers map the same pages
+        self.weights = torch.zeros(num_weights).share_memory_()
+        self._mp = mp.get_context("spawn")  # fork is unsafe once torch's thread pools exist
+        self.results = self._mp.Queue()
+        self.procs, self.tasks = [], []
+        for _ in range(workers):
+            q = self._mp.Queue()
+            p = self._mp.Process(target=_worker, daemon=True,
+                                 args=(prepared, str(run_dir), threads, self.weights, q, self.results, os.getpid()))
+            p.start()
+            self.procs.append(p)
+            self.tasks.append(q)
+
+    def run_round(self, round_: int, jobs: list[tuple[int, Record]], global_weights: torch.Tensor) -> list[ClientResult]:
+        self.weights.copy_(global_weights)
+        pending = list(jobs)
+        busy: dict[int, int] = {}  # worker index -> client id
+        done: dict[int, ClientResult] = {}
+        while pending or busy:
+            for w in range(len(self.procs)):  # dynamic scheduling: the next client goes to a free worker
+                if w not in busy and pending:
+                    cid, payload = pending.pop(0)
+                    self.tasks[w].put((round_, cid, self._share(payload, global_weights)))
+                    busy[w] = cid
+            try:
+                status, cid, res = self.results.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                self._check_alive(round_, busy)
+                continue
+            busy = {w: c for w, c in busy.items() if c != cid}
+            if status == "error":
+                self.close()
+                raise WorkerCrashed(f"client {cid} failed in round {round_}:\n{res}")
+            done[cid] = res
+        return [done[cid] for cid, _ in jobs]
+
+    @staticmethod
+    def _share(payload: Record, global_weights: torch.Tensor) -> Record:
+        return {k: (GLOBAL if v is global_weights else v) for k, v in payload.items()}
+
+    def _check_alive(self, round_: int, busy: dict[int, int]) -> None:
+        for w, p in enumerate(self.procs):
+            if not p.is_alive():
+                code = p.exitcode
+                why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                doing = f"while training client {busy[w]}" if w in busy else "while idle"
+                self.close()
+                raise WorkerCrashed(f"worker process {p.pid} died ({why}) {doing} in round {round_}; "
+                                    "the run stopped at the last completed round")
+
+    def close(self) -> None:
+        for q in self.tasks:
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.time() + 5
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.time()))
+            if p.is_alive():
+                p.kill()  # only processes this pool started, by their own handle
+                p.join()
+        self.procs = []
+
+
+class InProcess:
+    """Clients one after another in the server process (workers = 1)."""
+
+    def __init__(self, ctx, method, cfg):
+        self.ctx, self.method, self.cfg = ctx, method, cfg
+
+    def run_round(self, round_: int, jobs: list[tuple[int, Record]], global_weights: torch.Tensor) -> list[ClientResult]:
+        return [run_client(self.ctx, self.method, self.cfg.train, self.cfg.seed, round_, cid, payload)
+                for cid, payload in jobs]
+
+    def close(self) -> None:
+        pass
+
+
+def resolve_workers(runtime: Any, per_round: int, num_params: int, cores: Optional[int] = None) -> tuple[int, Optional[int]]:
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if runtime.workers == "auto":
+        workers, threads = auto_workers(cores, per_round, num_params)
+    else:
+        workers, threads = min(int(runtime.workers), per_round), None
+    if runtime.threads_per_worker is not None:
+        threads = runtime.threads_per_worker
+    if workers > 1 and threads is None:
+        threads = max(1, cores // workers)
+    return workers, threads

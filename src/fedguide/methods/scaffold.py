@@ -1,0 +1,174 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020): control variates correct the client drift of local SGD.
+
+Algorithm 1 of the paper, with option II for the client control variate:
+- client i starts from the server model x, with the server control c and its own control c_i
+  (zero before its first round) and takes K local steps on the corrected gradient
+  y_i ← y_i − η_l (g_i(y_i) − c_i + c);
+- c_i⁺ = c_i − c + (x − y_i) / (K·η_l) (option II); it uploads Δy_i = y_i − x and Δc_i = c_i⁺ − c_i
+  and keeps c_i ← c_i⁺;
+- server: x ← x + η_g · (1/|S|) Σ Δy_i and c ← c + (|S|/N) · (1/|S|) Σ Δc_i.
+
+Decisions:
+- The correction enters through the local loss, not the training loop: we add ⟨w, c − c_i⟩ over
+  the trainable parameters, whose gradient is exactly c − c_i; it is added as
+  (term − term.detach()), so the reported training loss stays the plain cross-entropy. Because it
+  is a gradient term, the optimizer's momentum and weight decay act on the corrected gradient.
+- K = the optimizer steps actually taken this round (``ctx.steps``), η_l = ``train.lr``.
+  ``momentum_correction`` (default on): with SGD momentum β > 0, the K steps move the weights by
+  about η_l·m(K, β)·K·g for a constant gradient g, with m(K, β) = (1/K)·Σ_{k=1..K} (1 − β^k)/(1 − β);
+  dividing by K·η_l alone would overestimate the gradient by up to 1/(1 − β) (10× at β = 0.9) and
+  the over-sized correction makes training diverge. We therefore divide by K·η_l·m(K, β). For
+  β = 0 (the paper's plain SGD) m = 1 and this is the paper's formula exactly; set
+  ``momentum_correction: false`` for the literal formula under momentum. With Adam there is no
+  such factor (m = 1); option II is then only a heuristic.
+- Control variates cover trainable parameters only; buffers (BatchNorm running statistics) are
+  not SGD iterates and are averaged with sample weights as in FedAvg.
+- ``weighting: uniform`` is the paper's (1/|S|) Σ Δy_i; ``samples`` weights Δy_i by client size.
+  The control update is always the paper's (1/N) Σ Δc_i.
+- c is server state (checkpointed, restored on resume) and part of every payload; c_i lives in
+  the client's disk state.
+"""
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedguide.methods.base import METHODS, Method
+
+
+class ScaffoldParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    server_lr: float = Field(1.0, gt=0.0, description="global step size η_g")
+    weighting: Literal["uniform", "samples"] = Field(
+        "uniform", description="mean of Δy over clients: uniform (paper) or sample-weighted")
+    momentum_correction: bool = Field(
+        True, description="divide option II by the momentum step factor m(K, β) (1 when momentum is 0)")
+
+
+def momentum_factor(steps: int, momentum: float) -> float:
+    """m(K, β) = (1/K) Σ_{k=1..K} (1 − β^k)/(1 − β): the mean step length of heavy-ball SGD, in
+    units of η_l·g, over K steps from a zero momentum buffer under a constant gradient g."""
+    if steps <= 0 or momentum == 0.0:
+        return 1.0
+    b = momentum
+    return 1.0 / (1.0 - b) - b * (1.0 - b ** steps) / (steps * (1.0 - b) ** 2)
+
+
+def control_update(c_local: torch.Tensor, c_global: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                   steps: int, lr: float) -> torch.Tensor:
+    """Option II of the paper's Algorithm 1: c_i⁺ = c_i − c + (x − y_i) / (K·η_l)."""
+    if steps <= 0:
+        return c_local.clone()  # no step was taken: nothing was learnt about the local gradient
+    return c_local - c_global + (x - y) / (steps * lr)
+
+
+def server_update(x: torch.Tensor, c: torch.Tensor, delta_ys: Sequence[torch.Tensor],
+                  delta_cs: Sequence[torch.Tensor], num_samples: Sequence[int], num_clients: int,
+                  param_mask: torch.Tensor, server_lr: float = 1.0,
+                  weighting: str = "uniform") -> tuple[torch.Tensor, torch.Tensor]:
+    """Server step of Algorithm 1: x ← x + η_g·mean(Δy), c ← c + (|S|/N)·mean(Δc).
+
+    ``x`` and each Δy are full weight vectors; ``c`` and each Δc cover the entries where
+    ``param_mask`` is True. Buffer entries of x become the sample-weighted mean of the clients'
+    buffers x + Δy_i (FedAvg), whatever ``weighting`` says.
+    """
+    if not delta_ys:
+        raise ValueError("cannot aggregate zero client updates")
+    n = torch.as_tensor([float(s) for s in num_samples], dtype=torch.float64)
+    sample_w = n / n.sum()
+    mean_w = sample_w if weighting == "samples" else torch.full_like(sample_w, 1.0 / len(delta_ys))
+    dy_params = torch.zeros(int(param_mask.sum()), dtype=torch.float64)
+    dy_buffers = torch.zeros(int((~param_mask).sum()), dtype=torch.float64)
+    dc_sum = torch.zeros_like(c, dtype=torch.float64)
+    for dy, dc, wm, ws in zip(delta_ys, delta_cs, mean_w, sample_w):
+        dy64 = dy.to(torch.float64)
+        dy_params.add_(dy64[param_mask], alpha=float(wm))
+        dy_buffers.add_(dy64[~param_mask], alpha=float(ws))
+        dc_sum.add_(dc.to(torch.float64))
+    x_new = x.to(torch.float64).clone()
+    x_new[param_mask] += server_lr * dy_params
+    x_new[~param_mask] += dy_buffers  # Σ w_i (x + Δy_i) = x + Σ w_i Δy_i
+    # (|S|/N)·(1/|S|)·Σ Δc_i = (1/N)·Σ Δc_i
+    c_new = c.to(torch.float64) + dc_sum / num_clients
+    return x_new.to(x.dtype), c_new.to(c.dtype)
+
+
+def correction_term(params: list[torch.Tensor], corrections: list[torch.Tensor]) -> torch.Tensor:
+    """⟨w, c − c_i⟩ minus its own value: zero in the forward pass, gradient c − c_i per parameter."""
+    dots = torch.stack([t.sum() for t in torch._foreach_mul(params, corrections)]).sum()
+    return dots - dots.detach()
+
+
+@METHODS.register("scaffold", params=ScaffoldParams)
+class Scaffold(Method):
+    """SCAFFOLD: local steps on g − c_i + c, control variates updated by option II."""
+
+    def __init__(self, params, run):
+        super().__init__(params, run)
+        self._mask: torch.Tensor | None = None
+        self.control: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        if self._mask is None:
+            self._mask = self.run.layout.parameter_mask(self.run.model)
+        return self._mask
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(int(self.mask.sum()), dtype=torch.float32)
+
+    def setup(self):
+        self.control = self._zeros()
+
+    def server_payload(self, round_, client_id, global_weights):
+        return {"weights": global_weights, "control": self.control}
+
+    def begin_local(self, model, ctx):
+        diff = ctx.payload["control"] - ctx.state.get("control", self._zeros())
+        if not torch.any(diff):
+            ctx.scratch["pairs"] = None  # c = c_i (e.g. both zero in round 1): plain local SGD
+            return
+        full = torch.zeros(self.run.layout.numel, dtype=diff.dtype)
+        full[self.mask] = diff
+        named = dict(model.named_parameters())
+        params, corrections, offset = [], [], 0
+        for name, shape in zip(self.run.layout.names, self.run.layout.shapes):
+            size = int(torch.Size(shape).numel())
+            if name in named:
+                params.append(named[name])
+                corrections.append(full[offset: offset + size].view(shape))
+            offset += size
+        ctx.scratch["pairs"] = (params, corrections)
+
+    def local_loss(self, model, x, y, ctx):
+        loss = super().local_loss(model, x, y, ctx)
+        pairs = ctx.scratch.get("pairs")
+        return loss if pairs is None else loss + correction_term(*pairs)
+
+    def client_upload(self, model, ctx):
+        train = self.run.config.train
+        x, y = ctx.payload["weights"], self.run.layout.flatten(model)
+        c_local = ctx.state.get("control", self._zeros())
+        lr = train.lr
+        if self.params.momentum_correction and train.optimizer == "sgd":
+            lr *= momentum_factor(ctx.steps, train.momentum)
+        c_new = control_update(c_local, ctx.payload["control"], x[self.mask], y[self.mask], ctx.steps, lr)
+        ctx.update_state(control=c_new)
+        return {"delta_y": y - x, "delta_c": c_new - c_local, "num_samples": len(ctx.data)}
+
+    def aggregate(self, round_, global_weights, uploads):
+        x, self.control = server_update(
+            global_weights, self.control, [u["delta_y"] for u in uploads], [u["delta_c"] for u in uploads],
+            [u["num_samples"] for u in uploads], self.run.num_clients, self.mask,
+            self.params.server_lr, self.params.weighting)
+        return x
+
+    def server_state(self):
+        return {"control": self.control}
+
+    def load_server_state(self, state):
+        if "control" not in state:
+            raise ValueError(f"the checkpoint has no SCAFFOLD server control variate (keys: {sorted(state)})")
+        self.control = state["control"]

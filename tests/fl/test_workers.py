@@ -1,0 +1,100 @@
+"""Clients trained in worker processes: identical results for any number of workers; crashes reported."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedguide.config import build_config
+from fedguide.fl.engine import Experiment, prepare
+from fedguide.fl.workers import WorkerCrashed, auto_workers, resolve_workers
+from fedguide.methods import METHODS
+
+
+def config(workers, method="fedavg", **over):
+    raw = {
+        "data": {"name": "digits"},
+        "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
+        "model": {"name": "mlp"},
+        "method": {"name": method},
+        "clients": {"num": 6, "per_round": 4},
+        "train": {"rounds": 3, "epochs": 1, "batch_size": 32, "lr": 0.05},
+        "runtime": {"workers": workers, "threads_per_worker": 1},
+        "seed": 5,
+    }
+    raw.update(over)
+    return build_config(raw)
+
+
+def run(tmp_path, name, cfg):
+    run_dir = tmp_path / name
+    Experiment(prepare(cfg), run_dir, log=lambda s: None).run()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows, load_file(run_dir / "model.safetensors")
+
+
+STRIP = {"seconds", "train_seconds", "aggregate_seconds", "eval_seconds"}
+
+
+def assert_identical(a, b, label):
+    (rows_a, w_a), (rows_b, w_b) = a, b
+    assert [{k: v for k, v in r.items() if k not in STRIP} for r in rows_a] == \
+           [{k: v for k, v in r.items() if k not in STRIP} for r in rows_b], label
+    for k in w_a:
+        assert torch.equal(w_a[k], w_b[k]), (label, k)
+
+
+def test_results_are_bit_identical_for_1_2_4_workers(tmp_path):
+    ref = run(tmp_path, "w1", config(1))
+    for workers in (2, 4):
+        assert_identical(ref, run(tmp_path, f"w{workers}", config(workers)), workers)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS.names() if m != "fedavg"])
+def test_every_method_runs_in_workers_unchanged(tmp_path, method):
+    # Payloads and uploads are plain records, so a method gives the same result in worker processes.
+    cfg = dict(train={"rounds": 2, "epochs": 1, "batch_size": 32, "lr": 0.05})
+    assert_identical(run(tmp_path, "w1", config(1, method, **cfg)), run(tmp_path, "w2", config(2, method, **cfg)), method)
+
+
+def test_a_killed_worker_stops_the_run_with_the_client_named_and_leaves_no_orphans(tmp_path):
+    cfg = config(2, train={"rounds": 50, "epochs": 20, "batch_size": 8, "lr": 0.01})
+    exp = Experiment(prepare(cfg), tmp_path / "run", log=lambda s: None)
+    victims = []
+
+    def kill_a_worker():
+        # Wait until round 1 is checkpointed and the pool is busy with round 2, then kill one worker.
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.time() + 60
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.01)
+        pids = [int(p) for p in os.popen(f"pgrep -P {os.getpid()}").read().split()]
+        children = [p for p in pids if "spawn" in open(f"/proc/{p}/cmdline").read()]
+        victims.extend(children)
+        os.kill(children[0], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_a_worker)
+    killer.start()
+    with pytest.raises(WorkerCrashed, match=r"killed by signal 9\) while training client \d+ in round \d+"):
+        exp.run()
+    killer.join()
+    time.sleep(0.5)
+    for pid in victims[1:]:
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    # The last completed round is checkpointed: the run resumes from it.
+    assert (tmp_path / "run" / "checkpoints" / "last.safetensors").exists()
+
+
+def test_auto_picks_processes_from_cores_and_model_size():
+    assert auto_workers(cores=2, per_round=10, num_params=600_000) == (2, 1)
+    assert auto_workers(cores=16, per_round=10, num_params=600_000) == (10, 1)
+    assert auto_workers(cores=16, per_round=10, num_params=20_000_000) == (8, 2)
+    assert auto_workers(cores=1, per_round=10, num_params=600_000) == (1, 1)
+    rt = config(3).runtime
+    assert resolve_workers(rt, per_round=2, num_params=10, cores=8) == (2, 1)  # never more than clients
