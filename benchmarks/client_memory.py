@@ -16,8 +16,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Dirichlet(0.1) cannot give 1000 clients 10 samples each; min_size 1 keeps every client non-empty.
-BASE = ["train.rounds={rounds}", "clients.per_round=10", "partition.min_size=1", "method.name={method}"]
+# Dirichlet(0.1) leaves some of 1000 clients empty on Fashion-MNIST (60 samples each on average);
+# the memory question does not depend on the label skew, so both settings use an iid split.
+BASE = ["train.rounds={rounds}", "clients.per_round=10", "partition.name=iid", "method.name={method}"]
 
 
 def child(num: int, overrides: list[str]) -> None:

@@ -64,7 +64,9 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    prepared = prepare(load_config(Path(args.config), [f"train.rounds={args.rounds}", *args.overrides]))
+    # In-process clients: the engine's own overhead, not the worker pool's speed-up (see parallel_clients.py).
+    prepared = prepare(load_config(Path(args.config), [f"train.rounds={args.rounds}", "runtime.workers=1",
+                                                       *args.overrides]))
     print(f"config {args.config} {' '.join(args.overrides)}: {prepared.config.method.name}, "
           f"{prepared.data.num_clients} clients, {args.rounds} rounds, torch threads {torch.get_num_threads()}")
 

@@ -67,6 +67,8 @@ class Config(Strict):
     clients: ClientsConfig = ClientsConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     train: TrainConfig = TrainConfig()
+    regularizers: list[Union[str, dict[str, Any]]] = Field(
+        default_factory=list, description="terms added to any method's local objective, e.g. [dw]")
     seed: int = 0
     meta: dict[str, Any] = Field(default_factory=dict, description="written by fedguide: version, git commit")
 

@@ -10,8 +10,9 @@ import torch
 from fedguide.config import build_config
 from fedguide.fl.engine import Experiment, prepare
 from fedguide.fl.state import ClientStateStore
+from fedguide.fl.engine import TIMING_METRICS
 
-TIMING = {"seconds", "train_seconds", "aggregate_seconds", "eval_seconds"}
+TIMING = TIMING_METRICS
 
 
 def run(tmp_path, name, **over):

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from helpers import cli, metrics, popen, summary, tiny_config, weights
+from fedguide.fl.engine import TIMING_METRICS
 
-TIMING_KEYS = {"seconds", "train_seconds", "aggregate_seconds", "eval_seconds"}
+TIMING_KEYS = TIMING_METRICS
 
 
 def _without_timing(rows):

@@ -15,6 +15,7 @@ from fedguide.config import build_config
 from fedguide.fl.engine import Experiment, prepare
 from fedguide.fl.workers import WorkerCrashed, auto_workers, resolve_workers
 from fedguide.methods import METHODS
+from fedguide.fl.engine import TIMING_METRICS
 
 
 def config(workers, method="fedavg", **over):
@@ -39,7 +40,7 @@ def run(tmp_path, name, cfg):
     return rows, load_file(run_dir / "model.safetensors")
 
 
-STRIP = {"seconds", "train_seconds", "aggregate_seconds", "eval_seconds"}
+STRIP = TIMING_METRICS
 
 
 def assert_identical(a, b, label):

@@ -20,8 +20,9 @@ from fedguide.models.split import SplitModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fl"))
 from test_engine import config  # noqa: E402
+from fedguide.fl.engine import TIMING_METRICS
 
-TIMING = {"seconds", "train_seconds", "aggregate_seconds", "eval_seconds"}
+TIMING = TIMING_METRICS
 
 
 # ---- aggregation (Eq. 6) ------------------------------------------------------------------------

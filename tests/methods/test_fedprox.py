@@ -95,7 +95,7 @@ def _ctx():
 def test_local_loss_adds_proximal_term(mu):
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
-    method = FedProx(FedProxParams(mu=mu), run=None)
+    method = FedProx(FedProxParams(mu=mu, gradient="autograd"), run=None)
     ctx = _ctx()
     method.begin_local(model, ctx)
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
@@ -109,3 +109,35 @@ def test_local_loss_adds_proximal_term(mu):
     ce = F.cross_entropy(model(x), y).item()
     expected = ce + 0.5 * mu * model.weight.numel()  # each of the 6 weights moved by 1
     assert method.local_loss(model, x, y, ctx).item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.3])
+def test_direct_gradient_equals_autograd_of_the_proximal_objective(mu):
+    # Hand check: weights moved by +1 from the anchor -> proximal gradient mu·1 on every weight.
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    grads = {}
+    for mode in ("direct", "autograd"):
+        model = nn.Linear(3, 2)
+        torch.manual_seed(1)
+        model.reset_parameters()
+        method = FedProx(FedProxParams(mu=mu, gradient=mode), run=None)
+        ctx = _ctx()
+        method.begin_local(model, ctx)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        model.zero_grad()
+        method.local_loss(model, x, y, ctx).backward()
+        method.after_backward(model, ctx)
+        grads[mode] = (model.weight.grad.clone(), model.bias.grad.clone())
+    torch.testing.assert_close(grads["direct"][0], grads["autograd"][0])
+    torch.testing.assert_close(grads["direct"][1], grads["autograd"][1])
+    # and the difference to the bare cross-entropy gradient is exactly mu on the moved weights
+    model = nn.Linear(3, 2)
+    torch.manual_seed(1)
+    model.reset_parameters()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    F.cross_entropy(model(x), y).backward()
+    torch.testing.assert_close(grads["direct"][0] - model.weight.grad, torch.full((2, 3), mu))
+    torch.testing.assert_close(grads["direct"][1] - model.bias.grad, torch.zeros(2))

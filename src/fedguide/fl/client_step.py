@@ -1,6 +1,7 @@
 """One client's part of a round, the same code in the server process and in worker processes."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ class ClientResult:
     upload: Record
     loss: float
     num_samples: int
+    fit_seconds: float  # the local training loop alone (epochs of SGD), without the upload's work
 
 
 def run_client(ctx: RunContext, method: Method, train: TrainConfig, seed: int, round_: int, client_id: int,
@@ -26,9 +28,11 @@ def run_client(ctx: RunContext, method: Method, train: TrainConfig, seed: int, r
     ctx.layout.load(ctx.model, method.client_start(cctx))
     # Seeds derive from (seed, round, client) alone, so any worker, in any order, draws the same numbers.
     torch.manual_seed(derive_seed(seed, "client", round_, client_id))
+    t0 = time.perf_counter()
     loss, cctx.steps = train_local(ctx.model, method, cctx, train, torch_generator(seed, "client", round_, client_id))
+    fit_seconds = time.perf_counter() - t0
     cctx.train_loss = loss
     upload = method.client_upload(ctx.model, cctx)
     if cctx.state_dirty:
         ctx.store.put(client_id, round_, cctx.state)
-    return ClientResult(client_id, upload, loss, len(cctx.data))
+    return ClientResult(client_id, upload, loss, len(cctx.data), fit_seconds)

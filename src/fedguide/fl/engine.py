@@ -32,22 +32,35 @@ from fedguide.fl.state import ClientStateStore
 from fedguide.fl.workers import InProcess, WorkerPool, resolve_workers
 from fedguide.fl.weights import WeightLayout
 from fedguide.methods import METHODS, Method, record_bytes
+from fedguide.methods.compose import REGULARIZERS, Composed, build_regularizers
 from fedguide.models import MODELS, ModelSpec, build_model
 from fedguide.registry import ConfigError
 
 ROUND_ACCURACY_MARKS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
+# Per-round metrics that measure the machine, not the run: excluded when comparing runs for identity.
+TIMING_METRICS = frozenset({"seconds", "train_seconds", "aggregate_seconds", "eval_seconds", "client_fit_seconds"})
 
 
 def resolve(cfg: Config) -> tuple[Config, dict[str, Any]]:
     """Validate every named section against its registry and return the config with all defaults
     written out, plus the parsed parameter objects."""
+    raw = cfg.model_dump(mode="json")
+    regs, model_defaults = [], dict(METHODS.get(cfg.method.name).obj.model_defaults)
+    for i, spec in enumerate(cfg.regularizers):
+        spec = {"name": spec} if isinstance(spec, str) else dict(spec)
+        if "name" not in spec:
+            raise ConfigError(f"regularizers[{i}] has no name; write e.g. regularizers: [dw]")
+        name = spec.pop("name")
+        regs.append({"name": name, **REGULARIZERS.parse_params(name, spec, f"regularizers[{i}]").model_dump(mode="json")})
+        model_defaults.update(REGULARIZERS.get(name).obj.model_defaults)
+    raw["regularizers"] = regs
     parsed = {
         "data": DATASETS.parse_params(cfg.data.name, cfg.data.params_dict(), "data"),
         "partition": PARTITIONS.parse_params(cfg.partition.name, cfg.partition.params_dict(), "partition"),
-        "model": MODELS.parse_params(cfg.model.name, cfg.model.params_dict(), "model"),
+        # Keys the method's paper fixes apply unless the config sets them explicitly.
+        "model": MODELS.parse_params(cfg.model.name, {**model_defaults, **cfg.model.params_dict()}, "model"),
         "method": METHODS.parse_params(cfg.method.name, cfg.method.params_dict(), "method"),
     }
-    raw = cfg.model_dump(mode="json")
     for section, params in parsed.items():
         raw[section] = {**{k: raw[section][k] for k in ("name", "fraction") if k in raw[section]},
                         **params.model_dump(mode="json")}
@@ -132,7 +145,10 @@ class Experiment:
             server_store=ClientStateStore(self.run_dir / "server_state"),
             run_dir=self.run_dir,
         )
-        return ctx, self.p.method_cls(self.p.params["method"], ctx)
+        method = self.p.method_cls(self.p.params["method"], ctx)
+        if cfg.regularizers:
+            method = Composed(method, build_regularizers(cfg.regularizers, ctx))
+        return ctx, method
 
     def _write_static(self) -> None:
         cfg = self.cfg.model_copy(deep=True)
@@ -213,7 +229,8 @@ class Experiment:
         t_eval = time.perf_counter()
         m = {"round": r, "accuracy": evaluation["accuracy"], "loss": loss_sum / max(n_sum, 1),
              "seconds": t_eval - t0, "train_seconds": t_train - t0, "aggregate_seconds": t_agg - t_train,
-             "eval_seconds": t_eval - t_agg, "bytes_up": up, "bytes_down": down, "clients": chosen}
+             "eval_seconds": t_eval - t_agg, "client_fit_seconds": sum(res.fit_seconds for res in results),
+             "bytes_up": up, "bytes_down": down, "clients": chosen}
         m.update({k: v for k, v in evaluation.items() if k != "accuracy"})
         return global_w, m
 

@@ -40,6 +40,7 @@ def train_local(
             loss = method.local_loss(model, data.x[batch], data.y[batch], ctx)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            method.after_backward(model, ctx)
             optimizer.step()
             loss_sum += loss.detach()
             steps += 1

@@ -62,6 +62,8 @@ class Method:
     """FedAvg's behaviour; subclasses override hooks. Registered via ``@METHODS.register(name)``."""
 
     Params: ClassVar[type[BaseModel]] = NoParams
+    # Model keys this method's paper fixes (e.g. FedDW's bias-free head); a config's explicit keys win.
+    model_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, params: BaseModel, run: "RunContext"):
         self.params = params
@@ -95,6 +97,10 @@ class Method:
 
     def local_loss(self, model: "SplitModel", x: torch.Tensor, y: torch.Tensor, ctx: ClientContext) -> torch.Tensor:
         return F.cross_entropy(model(x), y)
+
+    def after_backward(self, model: "SplitModel", ctx: ClientContext) -> None:
+        """Between backward and the optimiser step: edit gradients in place (a closed-form term's
+        gradient is cheaper added here than traced by autograd)."""
 
     def client_upload(self, model: "SplitModel", ctx: ClientContext) -> Record:
         return {"weights": self.run.layout.flatten(model), "num_samples": len(ctx.data)}

@@ -2,7 +2,14 @@
 
 Local objective h_k(w) = F_k(w) + (mu/2)·||w − w_global||² (Eq. 2 of the paper): squared norm,
 over trainable parameters only.
+
+The term's gradient is mu·(w − w_global) in closed form. By default (``gradient: direct``) it is
+added to the gradients after backward, which is exactly the gradient of the objective above at a
+fraction of autograd's cost; the reported training loss is then the task loss alone.
+``gradient: autograd`` puts the term into the loss instead (same updates, loss includes the term).
 """
+from typing import Literal
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -12,6 +19,8 @@ from fedguide.methods.base import METHODS, Method
 class FedProxParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mu: float = Field(1e-3, ge=0.0, description="proximal coefficient")
+    gradient: Literal["direct", "autograd"] = Field(
+        "direct", description="add mu·(w − w_global) to the gradients, or trace the term with autograd")
 
 
 def proximal_term(params: list[torch.Tensor], anchor: list[torch.Tensor], mu: float) -> torch.Tensor:
@@ -21,16 +30,29 @@ def proximal_term(params: list[torch.Tensor], anchor: list[torch.Tensor], mu: fl
     return 0.5 * mu * sq
 
 
+def add_proximal_gradient_(params: list[torch.Tensor], anchor: list[torch.Tensor], mu: float) -> None:
+    """p.grad += mu·(p − a): the gradient of ``proximal_term``, in place."""
+    for p in params:
+        if p.grad is None:  # a parameter the task loss did not reach still feels the pull
+            p.grad = torch.zeros_like(p)
+    with torch.no_grad():
+        torch._foreach_add_([p.grad for p in params], torch._foreach_sub(params, anchor), alpha=mu)
+
+
 @METHODS.register("fedprox", params=FedProxParams)
 class FedProx(Method):
     """FedProx: FedAvg plus (mu/2)·||w − w_global||² in the local objective."""
 
     def begin_local(self, model, ctx):
-        ctx.scratch["anchor"] = [p.detach().clone() for p in model.parameters()]
-        ctx.scratch["params"] = list(model.parameters())
+        ctx.scratch["params"] = [p for p in model.parameters() if p.requires_grad]
+        ctx.scratch["anchor"] = [p.detach().clone() for p in ctx.scratch["params"]]
 
     def local_loss(self, model, x, y, ctx):
         loss = super().local_loss(model, x, y, ctx)
-        if self.params.mu == 0:
+        if self.params.mu == 0 or self.params.gradient == "direct":
             return loss
         return loss + proximal_term(ctx.scratch["params"], ctx.scratch["anchor"], self.params.mu)
+
+    def after_backward(self, model, ctx):
+        if self.params.mu and self.params.gradient == "direct":
+            add_proximal_gradient_(ctx.scratch["params"], ctx.scratch["anchor"], self.params.mu)

@@ -1,15 +1,14 @@
 """The small CNN for 28x28 / 32x32 grey or colour images (about 0.58 M parameters on Fashion-MNIST)."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
 from fedguide.models.registry import MODELS, ModelSpec
-from fedguide.models.split import SplitModel
+from fedguide.models.split import HeadParams, SplitModel, assemble
 
 
-class CNNParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CNNParams(HeadParams):
     feature_dim: int = Field(512, ge=1)
     channels: tuple[int, int] = (32, 64)
 
@@ -28,4 +27,4 @@ def build_cnn(params: CNNParams, spec: ModelSpec) -> SplitModel:
         nn.Flatten(),
         nn.Linear(c2 * out_h * out_w, params.feature_dim), nn.ReLU(inplace=True),
     )
-    return SplitModel(encoder, nn.Linear(params.feature_dim, spec.num_classes), params.feature_dim)
+    return assemble(encoder, params.feature_dim, spec.num_classes, params)

@@ -1,15 +1,14 @@
 """A small MLP: any image size, fast enough for tests and the 8x8 digits."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
 from fedguide.models.registry import MODELS, ModelSpec
-from fedguide.models.split import SplitModel
+from fedguide.models.split import HeadParams, SplitModel, assemble
 
 
-class MLPParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class MLPParams(HeadParams):
     hidden: int = Field(128, ge=1)
     feature_dim: int = Field(64, ge=1)
 
@@ -21,4 +20,4 @@ def build_mlp(params: MLPParams, spec: ModelSpec) -> SplitModel:
         nn.Flatten(), nn.Linear(c * h * w, params.hidden), nn.ReLU(inplace=True),
         nn.Linear(params.hidden, params.feature_dim), nn.ReLU(inplace=True),
     )
-    return SplitModel(encoder, nn.Linear(params.feature_dim, spec.num_classes), params.feature_dim)
+    return assemble(encoder, params.feature_dim, spec.num_classes, params)

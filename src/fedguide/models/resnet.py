@@ -1,11 +1,11 @@
 """ResNet-10 as used by MOON/FedDifRC: BasicBlocks [1, 1, 1, 1], widths 64-128-256-512, d = 512."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
 from fedguide.models.registry import MODELS, ModelSpec
-from fedguide.models.split import SplitModel
+from fedguide.models.split import HeadParams, SplitModel, assemble
 
 
 class BasicBlock(nn.Module):
@@ -26,8 +26,7 @@ class BasicBlock(nn.Module):
         return self.relu(out + self.shortcut(x))
 
 
-class ResNetParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ResNetParams(HeadParams):
     blocks: tuple[int, int, int, int] = (1, 1, 1, 1)
     width: int = Field(64, ge=1)
 
@@ -45,4 +44,4 @@ def build_resnet(params: ResNetParams, spec: ModelSpec) -> SplitModel:
             layers.append(BasicBlock(prev, width, 2 if (i == 0 and stage > 0) else 1))
             prev = width
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
-    return SplitModel(nn.Sequential(*layers), nn.Linear(prev, spec.num_classes), prev)
+    return assemble(nn.Sequential(*layers), prev, spec.num_classes, params)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 
@@ -19,3 +20,20 @@ class SplitModel(nn.Module):
         """(z, logits) in one pass, for objectives on the representation (MOON, FedProto, ...)."""
         z = self.encoder(x)
         return z, self.head(z)
+
+
+class HeadParams(BaseModel):
+    """Keys every model shares: FedDW's mapping layers and bias-free classification layer."""
+
+    model_config = ConfigDict(extra="forbid")
+    mapping: list[int] = Field(default_factory=list, description="widths of FC+ReLU mapping layers before the head")
+    head_bias: bool = Field(True, description="false = classification layer without bias (FedDW)")
+
+
+def assemble(encoder: nn.Sequential, feature_dim: int, num_classes: int, head: HeadParams) -> SplitModel:
+    """Append the mapping layers to the encoder (z is their output) and add the classification layer."""
+    layers = list(encoder)
+    for width in head.mapping:
+        layers += [nn.Linear(feature_dim, width), nn.ReLU(inplace=True)]
+        feature_dim = width
+    return SplitModel(nn.Sequential(*layers), nn.Linear(feature_dim, num_classes, bias=head.head_bias), feature_dim)

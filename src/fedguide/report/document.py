@@ -84,6 +84,10 @@ def render_markdown(runs: list[RunRecord], out_dir: Path) -> str:
             lines += [f"**{members[0].partition_label}** on {members[0].dataset} (runs: {names})", "",
                       f"![partition {members[0].partition_label}]({stem}.png)", ""]
 
+    dw = [p for p in sorted(out_dir.glob("feddw_*.png"))]
+    if dw:
+        lines += ["## FedDW: soft labels vs classification-layer relations", ""]
+        lines += [f"![{p.stem}]({p.name})" for p in dw] + [""]
     lines += ["## Runs", "", "| run | method | seed | status | git commit | path |", "|---|---|---:|---|---|---|"]
     for r in runs:
         status = "complete" if r.complete else f"incomplete, {r.rounds_done}/{r.rounds_planned or '?'} rounds"

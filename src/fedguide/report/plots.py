@@ -19,6 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from fedguide.report.feddw import plot_dw_matrices
 from fedguide.report.runs import RunRecord, as_records
 from fedguide.report.tables import Group, group_runs
 
@@ -156,4 +157,8 @@ def make_plots(runs: Iterable[RunRecord | str | Path], out_dir: str | Path) -> l
     written = [plot_accuracy_curves(group_runs(runs), out_dir / ACCURACY_PNG)]
     for stem, members in partition_plan(runs):
         written.append(plot_partition(members[0], out_dir / f"{stem}.png"))
+    for run in runs:
+        png = plot_dw_matrices(run, out_dir / f"feddw_{_safe_name(run.name)}.png", save_atomic, _new_figure)
+        if png is not None:
+            written.append(png)
     return written

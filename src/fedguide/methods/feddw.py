@@ -1,0 +1,127 @@
+"""FedDW (papers/feddw.md): consistency between soft labels and classification-layer weights.
+
+Client n, after local training, computes its soft-label (SL) matrix (Eq. 4–6):
+    Ω_n[i, :] = mean over its training samples of class i of softmax(f(x)),
+and uploads it with its per-class counts. The server aggregates per class over this round's uploads
+(Eq. 7): Ω[i, :] = Σ_n (|D_i^n| / |D_i|) Ω_n[i, :]; a row of a class no uploader holds keeps its
+previous value (Ω starts as the identity). Local objective (Eq. 11–12):
+    L = L_cla + μ·L_reg,   L_reg = 1/C² · ‖Ω − softmax_rows(ω ωᵀ)‖_F²,
+where ω ∈ R^{C×k} is the classification layer, which has no bias. L_reg depends on ω alone, so it
+is evaluated once per batch (a C×C product), not per sample (Sec. IV-B). Weights: FedAvg (Eq. 8).
+
+The regulariser ("dw") composes with any method (``regularizers: [dw]``: FedProx+DW, MOON+DW, …);
+``method.name: feddw`` is FedAvg with it. Not reproduced from the released code: the cumulative
+averaging of every past round's uploads (the paper aggregates this round's). Its decay of μ by 10
+every 9 rounds is available as ``mu_decay_every: 9`` (off by default, as in the paper).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedguide.methods.base import METHODS
+from fedguide.methods.compose import REGULARIZERS, Composed, Regularizer
+from fedguide.methods.fedavg import FedAvg
+from fedguide.registry import ConfigError, NoParams
+
+
+class DWParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mu: float = Field(0.1, ge=0.0, description="weight of L_reg (paper: 0.1 CIFAR-10, 10 CIFAR-100)")
+    mu_decay_every: Optional[int] = Field(None, ge=1, description="released code: divide mu every k rounds")
+    mu_decay_factor: float = Field(10.0, gt=0.0)
+
+
+def class_relation(omega: torch.Tensor) -> torch.Tensor:
+    """CR matrix softmax_rows(ω ωᵀ): class-to-class similarity as the classification layer sees it."""
+    return torch.softmax(omega @ omega.t(), dim=1)
+
+
+def dw_loss(sl_global: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+    """Eq. 11: 1/C² · ‖Ω_global − softmax_rows(ω ωᵀ)‖_F²."""
+    c = sl_global.shape[0]
+    return (sl_global - class_relation(omega)).square().sum() / (c * c)
+
+
+@torch.no_grad()
+def soft_label_matrix(probs: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 4: per-class mean of softmax outputs; rows of absent classes are zero. Returns (Ω_n, counts)."""
+    counts = torch.bincount(labels, minlength=num_classes)
+    sums = torch.zeros(num_classes, probs.shape[1], dtype=probs.dtype).index_add_(0, labels, probs)
+    return sums / counts.clamp(min=1).unsqueeze(1).to(probs.dtype), counts
+
+
+def aggregate_soft_labels(previous: torch.Tensor, matrices: list[torch.Tensor], counts: list[torch.Tensor]) -> torch.Tensor:
+    """Eq. 7 over this round's uploads; rows nobody holds keep their previous value."""
+    n = torch.stack(counts).to(torch.float64)  # [K, C]
+    total = n.sum(0)
+    weighted = (torch.stack(matrices).to(torch.float64) * n.unsqueeze(2)).sum(0)
+    out = previous.to(torch.float64).clone()
+    seen = total > 0
+    out[seen] = weighted[seen] / total[seen].unsqueeze(1)
+    return out.to(previous.dtype)
+
+
+def mu_at(params: DWParams, round_: int) -> float:
+    if params.mu_decay_every is None:
+        return params.mu
+    return params.mu / params.mu_decay_factor ** ((round_ - 1) // params.mu_decay_every)
+
+
+@REGULARIZERS.register("dw", params=DWParams, summary="FedDW: soft labels vs classification-layer relations")
+class DW(Regularizer):
+    """FedDW's regulariser μ·L_reg with the soft-label matrix as its server state."""
+
+    name = "dw"
+    model_defaults = {"head_bias": False}  # Sec. III: the classification layer has no bias
+
+    def __init__(self, params, run):
+        super().__init__(params, run)
+        if getattr(run.model.head, "bias", None) is not None:
+            raise ConfigError("FedDW regularises a classification layer without bias; set model.head_bias=false "
+                              "(and, as in the paper, model.mapping=[128,128])")
+        self.sl = torch.eye(run.num_classes)  # Ω_0 = I
+
+    def server_payload(self, round_, client_id):
+        return {"sl": self.sl}
+
+    def loss(self, model, x, y, ctx, payload):
+        mu = mu_at(self.params, ctx.round)
+        if mu == 0:
+            return torch.zeros(())
+        return mu * dw_loss(payload["sl"], model.head.weight)
+
+    def client_upload(self, model, ctx, payload):
+        data = ctx.data
+        was_training = model.training
+        model.eval()
+        probs = []
+        with torch.no_grad():
+            for start in range(0, len(data), 1024):
+                idx = data.indices[start: start + 1024]
+                probs.append(torch.softmax(model(data.x[idx]), dim=1))
+        model.train(was_training)
+        sl, counts = soft_label_matrix(torch.cat(probs), data.labels(), data.num_classes)
+        return {"sl": sl, "counts": counts}
+
+    def aggregate(self, round_, uploads):
+        self.sl = aggregate_soft_labels(self.sl, [u["sl"] for u in uploads], [u["counts"] for u in uploads])
+
+    def server_state(self):
+        return {"sl": self.sl}
+
+    def load_server_state(self, state):
+        self.sl = state["sl"]
+
+
+@METHODS.register("feddw", params=DWParams)
+class FedDW(Composed):
+    """FedDW: FedAvg + μ·‖Ω_global − softmax(ωωᵀ)‖²/C² (bias-free head; soft-label matrices aggregated)."""
+
+    model_defaults = DW.model_defaults
+
+    def __init__(self, params, run):
+        super().__init__(FedAvg(NoParams(), run), [DW(params, run)])

@@ -1,0 +1,50 @@
+"""FedDW's Fig. 8: the global soft-label (SL) matrix next to the class-relation (CR) matrix
+softmax(ω ωᵀ) of the final classification layer, for runs that carried the "dw" regulariser."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fedguide.report.runs import RunRecord
+
+SL_KEY = "method.dw.sl"
+
+
+def dw_matrices(run: RunRecord) -> tuple[np.ndarray, np.ndarray] | None:
+    """(SL, CR) of a finished run, or None when the run has no dw state."""
+    ckpt, model = run.path / "checkpoints" / "last.safetensors", run.path / "model.safetensors"
+    if not (ckpt.is_file() and model.is_file()):
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt), framework="np") as fh:
+        if SL_KEY not in fh.keys():
+            return None
+        sl = fh.get_tensor(SL_KEY).astype(np.float64)
+    with safe_open(str(model), framework="np") as fh:
+        omega = fh.get_tensor("head.weight").astype(np.float64)
+    logits = omega @ omega.T
+    cr = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return sl, cr / cr.sum(axis=1, keepdims=True)
+
+
+def plot_dw_matrices(run: RunRecord, path: Path, save_atomic, new_figure) -> Path | None:
+    mats = dw_matrices(run)
+    if mats is None:
+        return None
+    sl, cr = mats
+    fig = new_figure((11.0, 4.8))
+    names = (run.partition or {}).get("class_names")
+    for i, (mat, title) in enumerate(((sl, "global soft-label matrix Ω"), (cr, "class relations softmax(ωωᵀ)"))):
+        ax = fig.add_subplot(1, 2, i + 1)
+        im = ax.imshow(mat, vmin=0.0, vmax=max(1e-9, float(max(sl.max(), cr.max()))), cmap="magma")
+        ax.set_title(title, fontsize="medium")
+        ax.set_xlabel("class j")
+        ax.set_ylabel("class i")
+        if isinstance(names, list) and len(names) == mat.shape[0] <= 20:
+            ax.set_xticks(range(len(names)), [str(n) for n in names], rotation=60, ha="right", fontsize="x-small")
+            ax.set_yticks(range(len(names)), [str(n) for n in names], fontsize="x-small")
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle(f"FedDW matrices, {run.name}: ‖Ω − CR‖²_F / C² = {np.square(sl - cr).sum() / sl.shape[0] ** 2:.4f}")
+    return save_atomic(fig, path)
