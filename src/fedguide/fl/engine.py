@@ -245,8 +245,10 @@ class Experiment:
         curve = [m["accuracy"] for m in metrics]
         best = int(np.argmax(curve))
         summary = {
-            "method": self.cfg.method.name,
+            # "+dw" marks a composed regulariser, so reports keep MOON and MOON+DW apart.
+            "method": self.cfg.method.name + "".join(f"+{r['name']}" for r in self.cfg.regularizers),
             "method_params": self.cfg.method.params_dict(),
+            "regularizers": self.cfg.regularizers,
             "dataset": self.cfg.data.name,
             "partition": partition_label(self.cfg),
             "model": self.cfg.model.name,
