@@ -13,49 +13,15 @@ import argparse
 import json
 import math
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from bare_loop import BareLoop, batch_sizes
 
 from fedguide.config import load_config
 from fedguide.fl.engine import Experiment, prepare
-from fedguide.fl.training import make_optimizer
-from fedguide.models import ModelSpec, build_model
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def batch_sizes(prepared, clients_per_round: list[list[int]]) -> list[int]:
-    cfg = prepared.config.train
-    sizes = []
-    for clients in clients_per_round:
-        for cid in clients:
-            n = len(prepared.data.client_indices[cid])
-            for _ in range(cfg.epochs):
-                sizes += [cfg.batch_size] * (n // cfg.batch_size) + ([n % cfg.batch_size] if n % cfg.batch_size else [])
-    return sizes
-
-
-def bare_loop(prepared, sizes: list[int]) -> float:
-    """The floor: one model, one optimiser, random batches gathered from one in-memory tensor."""
-    cfg = prepared.config
-    spec = ModelSpec(prepared.data.splits.input_shape, prepared.data.num_classes)
-    torch.manual_seed(0)
-    model = build_model(cfg.model.name, prepared.params["model"], spec)
-    opt = make_optimizer(model, cfg.train)
-    x, y = prepared.data.splits.train_x, prepared.data.splits.train_y
-    gen = torch.Generator().manual_seed(0)
-    model.train()
-    t0 = time.perf_counter()
-    for b in sizes:
-        idx = torch.randint(0, len(y), (b,), generator=gen)
-        loss = F.cross_entropy(model(x[idx]), y[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -73,15 +39,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         Experiment(prepared, Path(tmp) / "run", log=lambda s: None).run()
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-    sizes = batch_sizes(prepared, [r["clients"] for r in rows])
-    # Round 1 pays one-off warm-up costs (allocator, kernels); time the bare loop the same way: a
-    # warm-up pass over one round's worth of steps first, excluded like round 1.
-    per_round = len(sizes) // len(rows)
-    bare_loop(prepared, sizes[:per_round])
-    bare = bare_loop(prepared, sizes[per_round:])
+    # Round 1 pays one-off warm-up costs (allocator, kernels); so does the bare loop: its first
+    # round's worth of steps is a warm-up, excluded like round 1.
+    loop = BareLoop(prepared)
+    loop.run(batch_sizes(prepared, rows[0]["clients"]))
+    timed = [b for r in rows[1:] for b in batch_sizes(prepared, r["clients"])]
+    bare = loop.run(timed)
     engine = sum(r["train_seconds"] for r in rows[1:])
     evaluation = sum(r["eval_seconds"] for r in rows[1:])
-    steps = len(sizes) - per_round
+    steps = len(timed)
     print(f"rounds timed: {len(rows) - 1} (round 1 = warm-up: {rows[0]['train_seconds']:.2f} s)")
     print(f"fedguide round training: {engine:.2f} s for {steps} steps ({1e3 * engine / steps:.2f} ms/step)")
     print(f"bare loop:               {bare:.2f} s for {steps} steps ({1e3 * bare / steps:.2f} ms/step)")

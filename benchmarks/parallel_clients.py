@@ -20,10 +20,10 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from bare_loop import BareLoop, batch_sizes
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/fmnist_dir0.1.yaml"
@@ -41,35 +41,10 @@ def fedguide_rounds(overrides: list[str]) -> tuple[list[float], dict]:
 
 
 def floor_rounds(prepared, rows: list[dict], threads: int) -> list[float]:
-    """The same mini-batch sizes per round, in one process, one model, one in-memory tensor."""
-    import torch.nn.functional as F
-
-    from fedguide.fl.training import make_optimizer
-    from fedguide.models import ModelSpec, build_model
-
+    """The same mini-batch sizes per round, in one process with ``threads`` intra-op threads."""
     torch.set_num_threads(threads)
-    cfg = prepared.config
-    model = build_model(cfg.model.name, prepared.params["model"],
-                        ModelSpec(prepared.data.splits.input_shape, prepared.data.num_classes))
-    opt = make_optimizer(model, cfg.train)
-    x, y = prepared.data.splits.train_x, prepared.data.splits.train_y
-    gen = torch.Generator().manual_seed(0)
-    times = []
-    for r in rows:
-        sizes = []
-        for cid in r["clients"]:
-            n = len(prepared.data.client_indices[cid])
-            for _ in range(cfg.train.epochs):
-                sizes += [cfg.train.batch_size] * (n // cfg.train.batch_size) + ([n % cfg.train.batch_size] if n % cfg.train.batch_size else [])
-        t0 = time.perf_counter()
-        for b in sizes:
-            idx = torch.randint(0, len(y), (b,), generator=gen)
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        times.append(time.perf_counter() - t0)
-    return times[1:]
+    loop = BareLoop(prepared)
+    return [loop.run(batch_sizes(prepared, r["clients"])) for r in rows][1:]
 
 
 def main() -> None:

@@ -1,38 +1,18 @@
 """MOON and FedRCL through the engine on 8x8 digits: what each round does, and that they learn."""
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
-from fedguide.config import build_config
-from fedguide.fl.engine import Experiment, prepare
 from fedguide.fl.state import ClientStateStore
-from fedguide.fl.engine import TIMING_METRICS
-
-TIMING = TIMING_METRICS
+from tiny import run_tiny, tiny_config, without_timing
 
 
 def run(tmp_path, name, **over):
-    raw = {
-        "data": {"name": "digits"},
-        "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
-        "model": {"name": "mlp"},
-        "method": {"name": "fedavg"},
-        "clients": {"num": 4, "per_round": 4},
-        "train": {"rounds": 3, "epochs": 1, "batch_size": 32, "lr": 0.05},
-        "runtime": {"workers": 1, "threads_per_worker": 1},
-        "seed": 2,
-    }
-    for k, v in over.items():
-        raw[k] = {**raw[k], **v} if isinstance(v, dict) else v
-    run_dir = tmp_path / name
-    summary = Experiment(prepare(build_config(raw)), run_dir, log=lambda s: None).run()
-    rows = [{k: v for k, v in json.loads(x).items() if k not in TIMING}
-            for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, rows, run_dir
+    summary, rows, run_dir = run_tiny(tmp_path, tiny_config({"clients": {"num": 4, "per_round": 4}, "seed": 2}, **over), name)
+    return summary, without_timing(rows), run_dir
 
 
 @pytest.mark.e2e

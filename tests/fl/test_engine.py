@@ -1,38 +1,22 @@
 """The round loop in-process on 8x8 digits: sampling, determinism, Local and Centralized semantics."""
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
-from fedguide.config import build_config
 from fedguide.fl.engine import Experiment, prepare
 from fedguide.fl.seeding import sample_clients
 from fedguide.fl.state import ClientStateStore
+from tiny import run_tiny, tiny_config
 
 
 def config(**over):
-    raw = {
-        "data": {"name": "digits"},
-        "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
-        "model": {"name": "mlp"},
-        "method": {"name": "fedavg"},
-        "clients": {"num": 4, "per_round": 2},
-        "train": {"rounds": 3, "epochs": 1, "batch_size": 32, "lr": 0.05},
-        "runtime": {"workers": 1, "threads_per_worker": 1},
-        "seed": 1,
-    }
-    for k, v in over.items():
-        raw[k] = {**raw[k], **v} if isinstance(v, dict) else v
-    return build_config(raw)
+    return tiny_config(**over)
 
 
 def run(tmp_path, name="run", **over):
-    run_dir = tmp_path / name
-    summary = Experiment(prepare(config(**over)), run_dir, log=lambda s: None).run()
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, rows, run_dir
+    return run_tiny(tmp_path, config(**over), name)
 
 
 def test_client_sampling_is_seeded_sorted_and_varies_by_round():

@@ -1,18 +1,16 @@
 """FedCDA: the selection objective and the approximate selection on hand-built vectors, memory, e2e."""
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from fedguide.config import build_config
 from fedguide.fl.checkpoint import load_checkpoint
-from fedguide.fl.engine import Experiment, prepare
 from fedguide.fl.state import ClientStateStore
 from fedguide.methods.fedcda import (FedCDA, FedCDAParams, candidate_gram, select_models,
                                      selection_objective)
+from tiny import run_tiny, tiny_config
 
 
 def t(rows):
@@ -133,26 +131,12 @@ def test_warmup_is_fedavg(tmp_path):
 
 # ---- in-process runs on 8x8 digits ------------------------------------------------------------------
 def config(**over):
-    raw = {
-        "data": {"name": "digits"},
-        "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
-        "model": {"name": "mlp"},
-        "method": {"name": "fedcda", "warmup_rounds": 1, "memory": 2},
-        "clients": {"num": 4, "per_round": 3},
-        "train": {"rounds": 3, "epochs": 1, "batch_size": 32, "lr": 0.05},
-        "runtime": {"workers": 1, "threads_per_worker": 1},
-        "seed": 1,
-    }
-    for k, v in over.items():
-        raw[k] = {**raw[k], **v} if isinstance(v, dict) and k != "method" else v
-    return build_config(raw)
+    return tiny_config({"method": {"name": "fedcda", "warmup_rounds": 1, "memory": 2},
+                        "clients": {"num": 4, "per_round": 3}}, **over)
 
 
 def run(tmp_path, name="run", resume=False, **over):
-    run_dir = tmp_path / name
-    summary = Experiment(prepare(config(**over)), run_dir, log=lambda s: None).run(resume=resume)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, rows, run_dir
+    return run_tiny(tmp_path, config(**over), name, resume)
 
 
 def test_learns_and_keeps_at_most_m_models_per_client(tmp_path):

@@ -1,19 +1,18 @@
 """FedDisco: discrepancy metrics and p_k ∝ ReLU(n_k − a·d_k + b) on hand-computed histograms, e2e."""
 from __future__ import annotations
 
-import json
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from fedguide.config import build_config
 from fedguide.fl.aggregation import weighted_average
 from fedguide.fl.checkpoint import load_checkpoint
-from fedguide.fl.engine import Experiment, prepare
+from fedguide.fl.engine import prepare
 from fedguide.fl.state import ClientStateStore
 from fedguide.methods.feddisco import FedDisco, FedDiscoParams, disco_weights, label_discrepancy
+from tiny import run_tiny, tiny_config
 
 # Three clients, four classes, uniform reference T = [.25, .25, .25, .25]:
 #   A = [10, 10, 10, 10]  (40 samples)  D_A = [.25, .25, .25, .25]
@@ -118,26 +117,11 @@ def test_aggregate_asks_once_stores_and_uses_disco_weights(tmp_path):
 
 # ---- in-process runs on 8x8 digits ------------------------------------------------------------------
 def config(**over):
-    raw = {
-        "data": {"name": "digits"},
-        "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
-        "model": {"name": "mlp"},
-        "method": {"name": "feddisco"},
-        "clients": {"num": 4, "per_round": 2},
-        "train": {"rounds": 3, "epochs": 1, "batch_size": 32, "lr": 0.05},
-        "runtime": {"workers": 1, "threads_per_worker": 1},
-        "seed": 1,
-    }
-    for k, v in over.items():
-        raw[k] = {**raw[k], **v} if isinstance(v, dict) else v
-    return build_config(raw)
+    return tiny_config({"method": {"name": "feddisco"}}, **over)
 
 
 def run(tmp_path, name="run", resume=False, **over):
-    run_dir = tmp_path / name
-    summary = Experiment(prepare(config(**over)), run_dir, log=lambda s: None).run(resume=resume)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, rows, run_dir
+    return run_tiny(tmp_path, config(**over), name, resume)
 
 
 def test_learns_and_sends_each_histogram_once(tmp_path):

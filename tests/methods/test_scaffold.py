@@ -1,7 +1,6 @@
 """SCAFFOLD: option II control update, server update, gradient correction, FedAvg equivalence, e2e."""
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedguide.config import build_config
 from fedguide.fl.checkpoint import load_checkpoint
 from fedguide.fl.engine import Experiment, prepare
 from fedguide.fl.seeding import derive_seed, torch_generator
@@ -19,6 +17,7 @@ from fedguide.fl.weights import WeightLayout
 from fedguide.methods import ClientContext
 from fedguide.methods.scaffold import (Scaffold, ScaffoldParams, control_update, correction_term,
                                        momentum_factor, server_update)
+from tiny import run_tiny, tiny_config
 
 
 # ---- option II -------------------------------------------------------------------------------------
@@ -159,26 +158,11 @@ def test_params_default_and_validation():
 
 # ---- in-process runs on 8x8 digits ------------------------------------------------------------------
 def config(**over):
-    raw = {
-        "data": {"name": "digits"},
-        "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
-        "model": {"name": "mlp"},
-        "method": {"name": "scaffold"},
-        "clients": {"num": 4, "per_round": 2},
-        "train": {"rounds": 3, "epochs": 1, "batch_size": 32, "lr": 0.05},
-        "runtime": {"workers": 1, "threads_per_worker": 1},
-        "seed": 1,
-    }
-    for k, v in over.items():
-        raw[k] = {**raw[k], **v} if isinstance(v, dict) else v
-    return build_config(raw)
+    return tiny_config({"method": {"name": "scaffold"}}, **over)
 
 
 def run(tmp_path, name="run", resume=False, **over):
-    run_dir = tmp_path / name
-    summary = Experiment(prepare(config(**over)), run_dir, log=lambda s: None).run(resume=resume)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, rows, run_dir
+    return run_tiny(tmp_path, config(**over), name, resume)
 
 
 def _train_one_client(run_dir, method_name):

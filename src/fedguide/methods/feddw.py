@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.methods.base import METHODS
