@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from fedguide.config import build_config
 from fedguide.fl.engine import Experiment, prepare
-from fedguide.fl.workers import WorkerCrashed, auto_workers, resolve_workers
+from fedguide.fl.workers import DEFAULT_THREADS, WorkerCrashed, auto_workers, resolve_workers
 from fedguide.methods import METHODS
 from fedguide.fl.engine import TIMING_METRICS
 
@@ -99,3 +99,9 @@ def test_auto_picks_processes_from_cores_and_model_size():
     assert auto_workers(cores=1, per_round=10, num_params=600_000) == (1, 1)
     rt = config(3).runtime
     assert resolve_workers(rt, per_round=2, num_params=10, cores=8) == (2, 1)  # never more than clients
+    # In-process clients get torch's start-up default even after another run changed the count.
+    torch.set_num_threads(1)
+    try:
+        assert resolve_workers(config(1).runtime, per_round=4, num_params=10, cores=8) == (1, DEFAULT_THREADS)
+    finally:
+        torch.set_num_threads(DEFAULT_THREADS)

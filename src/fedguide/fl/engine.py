@@ -167,11 +167,10 @@ class Experiment:
         ctx, method = self.build_context()
         workers, threads = resolve_workers(self.cfg.runtime, min(self.cfg.clients.per_round, ctx.num_clients),
                                            ctx.layout.numel)
-        if threads:
-            # The server evaluates with the workers' thread count too: results then do not depend
-            # on how many workers trained the clients.
-            torch.set_num_threads(threads)
-        self.workers, self.threads = workers, torch.get_num_threads()
+        # The server evaluates with the workers' thread count too: results then do not depend on how
+        # many workers trained the clients.
+        torch.set_num_threads(threads)
+        self.workers, self.threads = workers, threads
         ckpt = load_checkpoint(self.run_dir / "checkpoints") if resume else None
         if ckpt is None:
             self._write_static()

@@ -24,6 +24,9 @@ import torch.multiprocessing as mp
 from fedguide.fl.client_step import ClientResult, run_client
 from fedguide.methods.base import Record
 
+# torch's own choice at start-up, so a run asking for "the default" gets it even after an earlier run
+# in the same process changed the thread count.
+DEFAULT_THREADS = torch.get_num_threads()
 GLOBAL = "__fedguide_global_weights__"  # stands for the shared global-weights buffer in a payload
 POLL_SECONDS = 0.5
 
@@ -161,7 +164,8 @@ class InProcess:
         pass
 
 
-def resolve_workers(runtime: Any, per_round: int, num_params: int, cores: Optional[int] = None) -> tuple[int, Optional[int]]:
+def resolve_workers(runtime: Any, per_round: int, num_params: int, cores: Optional[int] = None) -> tuple[int, int]:
+    """(worker processes, torch threads per process) for a run."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if runtime.workers == "auto":
@@ -170,6 +174,6 @@ def resolve_workers(runtime: Any, per_round: int, num_params: int, cores: Option
         workers, threads = min(int(runtime.workers), per_round), None
     if runtime.threads_per_worker is not None:
         threads = runtime.threads_per_worker
-    if workers > 1 and threads is None:
-        threads = max(1, cores // workers)
+    if threads is None:
+        threads = max(1, cores // workers) if workers > 1 else DEFAULT_THREADS
     return workers, threads
