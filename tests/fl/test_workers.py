@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from fedguide.config import build_config
 from fedguide.fl.engine import Experiment, prepare
+from fedguide.config import RuntimeConfig
 from fedguide.fl.workers import DEFAULT_THREADS, WorkerCrashed, auto_workers, resolve_workers
 from fedguide.methods import METHODS
 from fedguide.fl.engine import TIMING_METRICS
@@ -102,6 +103,6 @@ def test_auto_picks_processes_from_cores_and_model_size():
     # In-process clients get torch's start-up default even after another run changed the count.
     torch.set_num_threads(1)
     try:
-        assert resolve_workers(config(1).runtime, per_round=4, num_params=10, cores=8) == (1, DEFAULT_THREADS)
+        assert resolve_workers(RuntimeConfig(workers=1), per_round=4, num_params=10, cores=8) == (1, DEFAULT_THREADS)
     finally:
         torch.set_num_threads(DEFAULT_THREADS)
