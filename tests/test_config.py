@@ -24,7 +24,7 @@ def test_defaults_load():
     assert cfg.method.name == "fedavg"
     assert (cfg.clients.num, cfg.clients.per_round) == (10, 10)
     assert cfg.train.rounds == 20 and cfg.train.lr == 0.01 and cfg.train.optimizer == "sgd"
-    assert cfg.runtime.workers == "auto" and cfg.runtime.threads_per_worker is None
+    assert cfg.runtime.workers == 1 and cfg.runtime.threads_per_worker is None
     assert cfg.seed == 0 and cfg.meta == {}
 
 
