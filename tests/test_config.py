@@ -265,7 +265,7 @@ def test_wrong_param_type_for_partition():
 
 def test_resolve_writes_defaults():
     cfg, parsed = resolve(build_config({"method": {"name": "fedprox"}, "data": {"name": "digits", "fraction": 0.5}}))
-    assert cfg.method.params_dict() == {"mu": 0.001}
+    assert cfg.method.params_dict() == {"mu": 0.001, "gradient": "direct"}
     assert parsed["method"].mu == 0.001
     part = cfg.partition.params_dict()
     assert part["alpha"] == 0.5 and "min_size" in part and "max_tries" in part
@@ -279,7 +279,7 @@ def test_resolve_writes_defaults():
 def test_resolve_keeps_given_params():
     cfg, parsed = resolve(build_config({"method": {"name": "fedprox", "mu": 0.25},
                                         "partition": {"name": "dirichlet", "alpha": 0.1}}))
-    assert cfg.method.params_dict() == {"mu": 0.25}
+    assert cfg.method.params_dict() == {"mu": 0.25, "gradient": "direct"}
     assert cfg.partition.params_dict()["alpha"] == 0.1
     assert parsed["partition"].alpha == 0.1
 
@@ -287,7 +287,7 @@ def test_resolve_keeps_given_params():
 def test_resolved_yaml_lists_defaults(tmp_path):
     cfg, _ = resolve(build_config({"method": {"name": "fedprox"}}))
     dumped = yaml.safe_load(to_yaml(cfg))
-    assert dumped["method"] == {"name": "fedprox", "mu": 0.001}
+    assert dumped["method"] == {"name": "fedprox", "mu": 0.001, "gradient": "direct"}
     assert "alpha" in dumped["partition"]
 
 

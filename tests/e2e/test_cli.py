@@ -60,7 +60,7 @@ def test_dry_run_validates_and_trains_nothing(tmp_path):
     cfg = tiny_config(tmp_path / "cfg.yaml")
     out = cli("run", str(cfg), "--dry-run", "--out", str(tmp_path / "run"), "method.name=fedprox", "method.mu=0.5")
     resolved = yaml.safe_load(out.stdout.split("partition summary:")[0])
-    assert resolved["method"] == {"name": "fedprox", "mu": 0.5}
+    assert resolved["method"] == {"name": "fedprox", "mu": 0.5, "gradient": "direct"}
     summary_line = json.loads(out.stdout.split("partition summary:")[1])
     assert summary_line["num_clients"] == 4
     assert not (tmp_path / "run").exists()
