@@ -123,14 +123,15 @@ def registry_listing() -> dict[str, list[dict]]:
     from fedguide.data.partition import PARTITIONS
     from fedguide.data.sources import DATASETS
     from fedguide.methods import METHODS
+    from fedguide.methods.compose import REGULARIZERS
     from fedguide.models import MODELS
 
     def rows(reg):
         return [{"name": e.name, "summary": e.summary,
                  "params": {k: f.get_default(call_default_factory=True) for k, f in e.params.model_fields.items()}} for e in reg.entries()]
 
-    return {"methods": rows(METHODS), "datasets": rows(DATASETS), "partitions": rows(PARTITIONS),
-            "models": rows(MODELS)}
+    return {"methods": rows(METHODS), "regularizers": rows(REGULARIZERS), "datasets": rows(DATASETS),
+            "partitions": rows(PARTITIONS), "models": rows(MODELS)}
 
 
 def cmd_list(args) -> int:

@@ -54,6 +54,7 @@ def test_list_json_names_every_registry():
     assert {"fmnist", "digits"} <= names["datasets"]
     assert {"iid", "dirichlet", "shards", "nid2", "longtail"} <= names["partitions"]
     assert {"cnn", "resnet10"} <= names["models"]
+    assert "dw" in names["regularizers"]
 
 
 def test_dry_run_validates_and_trains_nothing(tmp_path):
