@@ -87,7 +87,7 @@ def test_global_reference_hand_computed():
 
 def test_params_default_and_validation():
     p = FedDiscoParams()
-    assert (p.a, p.b, p.metric, p.reference) == (0.5, 0.1, "l2", "uniform")
+    assert (p.a, p.b, p.metric, p.reference) == (0.5, 0.1, "kl", "uniform")
     with pytest.raises(ValueError):
         FedDiscoParams(metric="emd")
     with pytest.raises(ValueError):

@@ -13,11 +13,13 @@ Decisions:
 - ``reference: uniform`` (default): T = 1/C, what the released code uses whenever the test set
   is balanced; ``global``: T = the label distribution summed over every histogram the server
   has received so far (with full participation, the true global distribution from round 1).
-- ``metric``: ``l2`` = ‖D_k − T‖₂ (default), ``l1``, ``cosine`` = 1 − cos(D_k, T), ``kl`` =
-  KL(D_k ‖ T) divided by its sum over the round's participants. The paper presents d_k as a
+- ``metric``: ``kl`` (default) = KL(D_k ‖ T) divided by its sum over the round's participants,
+  ``l2`` = ‖D_k − T‖₂, ``l1``, ``cosine`` = 1 − cos(D_k, T). The paper presents d_k as a
   distance between D_k and T with several admissible choices; the released code's default and
   every one of its scripts use ``kl``, and it normalises KL (only KL) so that the d_k sum to 1 like
-  the n_k — with ``l2`` a strongly skewed client has d_k near 1 and a = 0.5 can zero its weight.
+  the n_k. With ``l2`` a strongly skewed client has d_k near 1 and a = 0.5 can zero its weight:
+  on FMNIST Dir(0.1) (10 clients, 25 % data, 20 rounds) l2 ended at 61.3 / 54.6 % on seeds 1 / 2
+  where FedAvg reached 78.8 / 81.0 %; kl follows FedAvg.
 - Defaults a = 0.5, b = 0.1: the released code's defaults and scripts (``--disco_a 0.5
   --disco_b 0.1``).
 - If every ReLU is zero (possible with a large a), the weights fall back to n_k, as some copies of
@@ -40,7 +42,7 @@ class FedDiscoParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     a: float = Field(0.5, ge=0.0, description="weight of the discrepancy d_k")
     b: float = Field(0.1, description="offset added before the ReLU")
-    metric: Metric = Field("l2", description="discrepancy between D_k and T: l2, l1, kl, cosine")
+    metric: Metric = Field("kl", description="discrepancy between D_k and T: kl (released code), l2, l1, cosine")
     reference: Literal["uniform", "global"] = Field(
         "uniform", description="T: uniform over classes, or the label distribution of all clients heard from")
 
