@@ -40,7 +40,7 @@ def test_other_discrepancies_hand_computed():
 
 
 def test_disco_weights_l2_hand_computed():
-    p = disco_weights(SIZES, HIST, a=0.5, b=0.1)
+    p = disco_weights(SIZES, HIST, a=0.5, b=0.1, metric="l2")
     # scores n − a·d + b: A .4 − 0 + .1 = .5; B .4 − .5·.8660254 + .1 = .0669873; C .2 − .25 + .1 = .05
     scores = torch.tensor([0.5, 0.5 - 0.5 * math.sqrt(0.75), 0.05], dtype=torch.float64)
     assert torch.allclose(p, scores / scores.sum())
@@ -79,7 +79,7 @@ def test_global_reference_hand_computed():
     # B: [.4, -.2, -.1, -.1]   → sqrt(.16 + .04 + .01 + .01) = sqrt(.22)
     # C: [-.1, .3, -.1, -.1]   → sqrt(.01 + .09 + .01 + .01) = sqrt(.12)
     assert torch.allclose(d, torch.tensor([0.17, 0.22, 0.12], dtype=torch.float64).sqrt())
-    p = disco_weights(SIZES, HIST, 0.5, 0.1, reference=ref)
+    p = disco_weights(SIZES, HIST, 0.5, 0.1, reference=ref, metric="l2")
     scores = torch.tensor([0.5 - 0.5 * math.sqrt(0.17), 0.5 - 0.5 * math.sqrt(0.22), 0.3 - 0.5 * math.sqrt(0.12)],
                           dtype=torch.float64)
     assert torch.allclose(p, scores / scores.sum())
@@ -97,13 +97,13 @@ def test_params_default_and_validation():
 # ---- the method's hooks on a hand-built server ------------------------------------------------------
 def test_aggregate_asks_once_stores_and_uses_disco_weights(tmp_path):
     run = SimpleNamespace(server_store=ClientStateStore(tmp_path / "server"), num_classes=4)
-    method = FedDisco(FedDiscoParams(), run)
+    method = FedDisco(FedDiscoParams(metric="l2"), run)
     method.setup()
     w = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([2.0, 2.0])]
     assert method.server_payload(1, 7, w[0])["send_label_counts"] is True
     uploads = [{"weights": w[i], "num_samples": SIZES[i], "label_counts": HIST[i], "client_id": i} for i in range(3)]
     out = method.aggregate(1, torch.zeros(2), uploads)
-    expected = weighted_average(w, disco_weights(SIZES, HIST, 0.5, 0.1).tolist())
+    expected = weighted_average(w, disco_weights(SIZES, HIST, 0.5, 0.1, metric="l2").tolist())
     assert torch.allclose(out, expected)
     run.server_store.commit(1)
     assert "send_label_counts" not in method.server_payload(2, 1, w[0])

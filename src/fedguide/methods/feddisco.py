@@ -47,7 +47,7 @@ class FedDiscoParams(BaseModel):
         "uniform", description="T: uniform over classes, or the label distribution of all clients heard from")
 
 
-def label_discrepancy(histograms: torch.Tensor, reference: torch.Tensor, metric: str = "l2") -> torch.Tensor:
+def label_discrepancy(histograms: torch.Tensor, reference: torch.Tensor, metric: str = "kl") -> torch.Tensor:
     """d_k for each row of ``histograms`` (class counts, [K, C]) against the distribution T ([C])."""
     h = histograms.to(torch.float64)
     d_local = h / h.sum(dim=1, keepdim=True)
@@ -68,7 +68,7 @@ def label_discrepancy(histograms: torch.Tensor, reference: torch.Tensor, metric:
 
 
 def disco_weights(sizes: Sequence[float], histograms: torch.Tensor, a: float = 0.5, b: float = 0.1,
-                  reference: Union[str, torch.Tensor] = "uniform", metric: str = "l2") -> torch.Tensor:
+                  reference: Union[str, torch.Tensor] = "uniform", metric: str = "kl") -> torch.Tensor:
     """p_k = ReLU(n_k − a·d_k + b) / Σ_m ReLU(n_m − a·d_m + b), n_k = sizes_k / Σ sizes (float64)."""
     hist = torch.as_tensor(histograms)
     if isinstance(reference, str):
