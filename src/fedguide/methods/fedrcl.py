@@ -12,7 +12,7 @@ s = cosine similarity, P_i = the other samples of i's class in the batch, P_i^λ
 too-similar positives, pushing those apart until their similarity falls under λ; this is the
 released code's ``penalty`` pair (``loss_type: unsupervised`` = the sample itself as positive,
 ``neg_sample_type: intra_class_thresholding`` = same-class pairs above the threshold as negatives).
-Sources: the paper's text is not in shared/papers; the form above follows its description (SCL plus
+Sources: the form above follows the paper's description (SCL plus
 a divergence penalty on excessively similar same-class pairs, applied to multiple levels) and the
 released code (skynbe/FedRCL: utils/loss.py ``CLLoss``, clients/rcl_client.py, configs/client/
 fedrcl.yaml). Check it against the paper's equations when the PDF is at hand.
