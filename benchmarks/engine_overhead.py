@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import tempfile
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def main() -> None:
     # In-process clients: the engine's own overhead, not the worker pool's speed-up (see parallel_clients.py).
     prepared = prepare(load_config(Path(args.config), [f"train.rounds={args.rounds}", "runtime.workers=1",
                                                        *args.overrides]))
-    print(f"config {Path(args.config).relative_to(REPO) if Path(args.config).is_absolute() and REPO in Path(args.config).parents else args.config} {' '.join(args.overrides)}: {prepared.config.method.name}, "
+    print(f"config {os.path.relpath(args.config, REPO)} {' '.join(args.overrides)}: {prepared.config.method.name}, "
           f"{prepared.data.num_clients} clients, {args.rounds} rounds, torch threads {torch.get_num_threads()}")
 
     with tempfile.TemporaryDirectory() as tmp:
