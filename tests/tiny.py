@@ -35,13 +35,27 @@ def tiny_config(*layers: dict, **over) -> Config:
     return build_config(tiny_raw(*layers, **over))
 
 
-def run_tiny(tmp_path: Path, cfg: Config, name: str = "run", resume: bool = False):
+def run_tiny(tmp_path: Path, cfg: Config, name: str = "run", resume: bool = False, log=lambda s: None):
     """(summary, metrics rows, run dir) of one in-process run."""
     run_dir = Path(tmp_path) / name
-    summary = Experiment(prepare(cfg), run_dir, log=lambda s: None).run(resume=resume)
+    summary = Experiment(prepare(cfg), run_dir, log=log).run(resume=resume)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return summary, rows, run_dir
 
 
 def without_timing(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in rows]
+
+
+class Crash(Exception):
+    """Raised from the engine's log to simulate a crash right after a round is on disk."""
+
+
+def crash_after(rounds: int):
+    lines = []
+
+    def log(line):  # the engine logs a round after its checkpoint and state commit
+        lines.append(line)
+        if len(lines) == rounds:
+            raise Crash
+    return log

@@ -1,9 +1,6 @@
 """FedNH: spread prototype initialisation, the smoothed prototype update, the frozen cosine head,
 the learnable scale, and end-to-end runs (learning, frozen zero bias, resume)."""
-import json
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,9 +17,9 @@ from fedguide.methods.fednh import (PROTOTYPE_SEED_KEY, FedNH, FedNHParams, aggr
                                     orthogonal_prototypes, smooth_prototypes, spread_prototypes)
 from fedguide.models.split import SplitModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fl"))
-from test_engine import config  # noqa: E402
 from fedguide.fl.engine import TIMING_METRICS
+from tiny import Crash, crash_after, run_tiny
+from tiny import tiny_config as config
 
 TIMING = TIMING_METRICS
 
@@ -169,10 +166,7 @@ def test_params_defaults_and_registry():
 
 # ---- end to end on 8x8 digits -----------------------------------------------------------------
 def run(tmp_path, name, log=lambda s: None, resume=False, **over):
-    run_dir = tmp_path / name
-    summary = Experiment(prepare(config(**over)), run_dir, log=log).run(resume=resume)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, rows, run_dir
+    return run_tiny(tmp_path, config(**over), name, resume, log)
 
 
 def test_learns_with_unit_prototypes_and_zero_bias(tmp_path):
@@ -194,20 +188,6 @@ def test_rho_one_keeps_the_initial_prototypes(tmp_path):
     w = load_file(run_dir / "model.safetensors")
     assert torch.allclose(w["head.weight"], spread_prototypes(10, 64, derive_seed(1, "model", PROTOTYPE_SEED_KEY)))
     assert torch.count_nonzero(w["head.bias"]) == 0
-
-
-class Crash(Exception):
-    pass
-
-
-def crash_after(rounds):
-    lines = []
-
-    def log(line):  # the engine logs a round after its checkpoint and state commit
-        lines.append(line)
-        if len(lines) == rounds:
-            raise Crash
-    return log
 
 
 def test_learned_scale_is_server_state_and_resume_is_exact(tmp_path):

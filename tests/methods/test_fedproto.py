@@ -1,8 +1,5 @@
 """FedProto: prototype aggregation (Eq. 6), the prototype regulariser, nearest-prototype inference,
 and end-to-end runs with shared and with private (paper-literal) weights."""
-import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +15,9 @@ from fedguide.methods.fedproto import (FedProto, FedProtoParams, aggregate_proto
                                        nearest_prototype, prototype_loss)
 from fedguide.models.split import SplitModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fl"))
-from test_engine import config  # noqa: E402
 from fedguide.fl.engine import TIMING_METRICS
+from tiny import Crash, crash_after, run_tiny
+from tiny import tiny_config as config
 
 TIMING = TIMING_METRICS
 
@@ -140,10 +137,7 @@ def test_params_defaults_and_registry():
 
 # ---- end to end on 8x8 digits -----------------------------------------------------------------
 def run(tmp_path, name, log=lambda s: None, resume=False, **over):
-    run_dir = tmp_path / name
-    summary = Experiment(prepare(config(**over)), run_dir, log=log).run(resume=resume)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, rows, run_dir
+    return run_tiny(tmp_path, config(**over), name, resume, log)
 
 
 def checkpoint_state(run_dir):
@@ -184,20 +178,6 @@ def test_private_weights_keep_one_model_per_client(tmp_path):
     assert rows[-1]["accuracy"] == pytest.approx(sum(accs) / 4)
     assert rows[-1]["client_accuracy_min"] == pytest.approx(min(accs))
     assert summary["final_accuracy"] > 0.3  # each client model sees a skewed quarter of the digits
-
-
-class Crash(Exception):
-    pass
-
-
-def crash_after(rounds):
-    lines = []
-
-    def log(line):  # the engine logs a round after its checkpoint and state commit
-        lines.append(line)
-        if len(lines) == rounds:
-            raise Crash
-    return log
 
 
 @pytest.mark.parametrize("share", [True, False])

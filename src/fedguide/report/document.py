@@ -60,7 +60,7 @@ def _rel(path: Path, start: Path) -> str:
         return str(path.resolve())
 
 
-def render_markdown(runs: list[RunRecord], out_dir: Path) -> str:
+def render_markdown(runs: list[RunRecord], out_dir: Path, plots: Iterable[Path] = ()) -> str:
     n_done = sum(r.complete for r in runs)
     lines = [
         "# fedguide report",
@@ -84,7 +84,8 @@ def render_markdown(runs: list[RunRecord], out_dir: Path) -> str:
             lines += [f"**{members[0].partition_label}** on {members[0].dataset} (runs: {names})", "",
                       f"![partition {members[0].partition_label}]({stem}.png)", ""]
 
-    dw = [p for p in sorted(out_dir.glob("feddw_*.png"))]
+    # Only this report's plots: an earlier report in the same folder may have left other files.
+    dw = sorted(p for p in plots if p.name.startswith("feddw_"))
     if dw:
         lines += ["## FedDW: soft labels vs classification-layer relations", ""]
         lines += [f"![{p.stem}]({p.name})" for p in dw] + [""]
@@ -116,7 +117,7 @@ def report(paths: Iterable[str | Path], out: str | Path | None = None) -> Report
     out_dir = Path(out) if out is not None else default_out_dir(run_paths)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_paths = make_plots(runs, out_dir)
-    markdown = render_markdown(runs, out_dir)
+    markdown = render_markdown(runs, out_dir, plot_paths)
     md_path = out_dir / REPORT_MD
     _write_text_atomic(md_path, markdown)
     return ReportResult(out_dir=out_dir, markdown_path=md_path, plot_paths=plot_paths, markdown=markdown, runs=runs)
