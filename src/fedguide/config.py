@@ -53,6 +53,9 @@ class RuntimeConfig(Strict):
 class TrainConfig(Strict):
     rounds: int = Field(20, ge=1)
     epochs: int = Field(1, ge=1)
+    local_steps: Optional[int] = Field(
+        None, ge=1, description="every client takes exactly this many optimiser steps per round, "
+                                "passing over its data as often as needed (overrides epochs)")
     batch_size: int = Field(64, ge=1)
     optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(0.01, gt=0.0)

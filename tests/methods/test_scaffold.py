@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedguide.config import TrainConfig
 from fedguide.fl.checkpoint import load_checkpoint
 from fedguide.fl.engine import Experiment, prepare
 from fedguide.fl.seeding import derive_seed, torch_generator
@@ -150,10 +151,44 @@ def test_no_correction_when_controls_are_equal():
 def test_params_default_and_validation():
     p = ScaffoldParams()
     assert (p.server_lr, p.weighting, p.momentum_correction) == (1.0, "uniform", True)
+    assert (p.local_momentum, p.control) == (0.0, "option2")
     with pytest.raises(ValueError):
         ScaffoldParams(server_lr=0.0)
     with pytest.raises(ValueError):
         ScaffoldParams(weighting="median")
+
+
+def test_local_steps_are_plain_sgd_unless_asked_otherwise():
+    train = TrainConfig(momentum=0.9, lr=0.05)
+    plain = Scaffold(ScaffoldParams(), None).local_train(train)
+    assert (plain.momentum, plain.lr) == (0.0, 0.05) and train.momentum == 0.9
+    assert Scaffold(ScaffoldParams(local_momentum=None), None).local_train(train) is train
+    assert Scaffold(ScaffoldParams(local_momentum=0.5), None).local_train(train).momentum == 0.5
+
+
+class Data(SimpleNamespace):
+    def __len__(self):
+        return len(self.indices)
+
+
+def test_option1_control_is_the_full_local_gradient_at_the_server_model():
+    model, method = _linear_method()
+    method.params = ScaffoldParams(control="option1")
+    torch.manual_seed(1)
+    n = 10
+    data = Data(indices=torch.arange(n), x=torch.randn(n, 3), y=torch.arange(n) % 2)
+    method.run.config = SimpleNamespace(train=TrainConfig(batch_size=4, momentum=0.9))
+    x0 = method.run.layout.flatten(model)
+    ctx = ClientContext(0, 2, data, {"weights": x0, "control": torch.full((8,), 0.1)}, {})
+    method.begin_local(model, ctx)
+    F.cross_entropy(model(data.x), data.y).backward()  # the full-batch gradient, by hand
+    full = torch.cat([model.weight.grad.reshape(-1), model.bias.grad])
+    with torch.no_grad():
+        model.weight.add_(1.0)  # local training moved the model: option I ignores where it went
+    ctx.steps = 3
+    upload = method.client_upload(model, ctx)
+    assert torch.allclose(ctx.state["control"], full, atol=1e-6)
+    assert torch.allclose(upload["delta_c"], full, atol=1e-6)  # c_i was 0
 
 
 # ---- in-process runs on 8x8 digits ------------------------------------------------------------------
@@ -165,9 +200,10 @@ def run(tmp_path, name="run", resume=False, **over):
     return run_tiny(tmp_path, config(**over), name, resume)
 
 
-def _train_one_client(run_dir, method_name):
+def _train_one_client(run_dir, method_name, **over):
     """Round 1, client 0, exactly as the engine runs it; returns the trained weights, upload, payload."""
-    exp = Experiment(prepare(config(method={"name": method_name})), run_dir, log=lambda s: None)
+    method = {"name": method_name} if isinstance(method_name, str) else method_name
+    exp = Experiment(prepare(config(method=method, **over)), run_dir, log=lambda s: None)
     ctx, method = exp.build_context()
     method.setup()
     cfg = exp.cfg
@@ -175,21 +211,25 @@ def _train_one_client(run_dir, method_name):
     cctx = ClientContext(0, 1, ctx.data.client(0), payload, {})
     ctx.layout.load(ctx.model, method.client_start(cctx))
     torch.manual_seed(derive_seed(cfg.seed, "client", 1, 0))
-    _, cctx.steps = train_local(ctx.model, method, cctx, cfg.train, torch_generator(cfg.seed, "client", 1, 0))
+    _, cctx.steps = train_local(ctx.model, method, cctx, method.local_train(cfg.train),
+                                torch_generator(cfg.seed, "client", 1, 0))
     return ctx.layout.flatten(ctx.model), method.client_upload(ctx.model, cctx), payload
 
 
 def test_first_round_client_update_equals_fedavg(tmp_path):
-    y_avg, _, _ = _train_one_client(tmp_path / "a", "fedavg")
+    y_avg, _, _ = _train_one_client(tmp_path / "a", "fedavg", train={"momentum": 0.0})
     y_scaf, upload, payload = _train_one_client(tmp_path / "b", "scaffold")
     assert torch.equal(y_avg, y_scaf), "with c = c_i = 0 the local steps are FedAvg's, bit for bit"
     assert torch.allclose(payload["weights"] + upload["delta_y"], y_avg)
     assert set(upload) == {"delta_y", "delta_c", "num_samples"}
+    y_mom, _, _ = _train_one_client(tmp_path / "c", {"name": "scaffold", "local_momentum": None})
+    assert not torch.equal(y_mom, y_scaf), "local_momentum: null keeps the config's momentum"
     assert torch.any(upload["delta_c"] != 0)
 
 
 def test_learns_and_keeps_controls(tmp_path):
-    summary, rows, run_dir = run(tmp_path)
+    # plain SGD needs the step size that momentum 0.9 gave the tiny run implicitly
+    summary, rows, run_dir = run(tmp_path, train={"lr": 0.2})
     assert summary["final_accuracy"] > 0.5
     store = ClientStateStore(run_dir / "client_state")
     seen = sorted({c for r in rows for c in r["clients"]})

@@ -29,7 +29,7 @@ def run_client(ctx: RunContext, method: Method, train: TrainConfig, seed: int, r
     # Seeds derive from (seed, round, client) alone, so any worker, in any order, draws the same numbers.
     torch.manual_seed(derive_seed(seed, "client", round_, client_id))
     t0 = time.perf_counter()
-    loss, cctx.steps = train_local(ctx.model, method, cctx, train, torch_generator(seed, "client", round_, client_id))
+    loss, cctx.steps = train_local(ctx.model, method, cctx, method.local_train(train), torch_generator(seed, "client", round_, client_id))
     fit_seconds = time.perf_counter() - t0
     cctx.train_loss = loss
     upload = method.client_upload(ctx.model, cctx)

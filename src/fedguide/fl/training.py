@@ -1,6 +1,8 @@
 """The local training loop: mini-batches gathered by index from the shared in-memory tensors."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from fedguide.config import TrainConfig
@@ -21,7 +23,8 @@ def has_batchnorm(model: torch.nn.Module) -> bool:
 def train_local(
     model: SplitModel, method: Method, ctx: ClientContext, cfg: TrainConfig, generator: torch.Generator
 ) -> tuple[float, int]:
-    """Run ``cfg.epochs`` epochs of the method's local objective; returns (mean loss, steps)."""
+    """Run ``cfg.epochs`` epochs (or exactly ``cfg.local_steps`` steps) of the method's local
+    objective; returns (mean loss, steps)."""
     data = ctx.data
     n = len(data)
     optimizer = make_optimizer(model, cfg)
@@ -31,10 +34,15 @@ def train_local(
     min_batch = 2 if has_batchnorm(model) else 1
     loss_sum = torch.zeros(())
     steps = 0
-    for _ in range(cfg.epochs):
+    budget = cfg.local_steps
+    for epoch in itertools.count():
+        if (epoch >= cfg.epochs) if budget is None else (steps >= budget or (epoch > 0 and steps == 0)):
+            break
         order = data.indices[torch.randperm(n, generator=generator)]
         for start in range(0, n, cfg.batch_size):
             batch = order[start: start + cfg.batch_size]
+            if budget is not None and steps >= budget:
+                break
             if batch.numel() < min_batch:
                 continue
             loss = method.local_loss(model, data.x[batch], data.y[batch], ctx)

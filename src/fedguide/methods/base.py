@@ -19,6 +19,7 @@ from fedguide.fl.aggregation import sample_weighted_average
 from fedguide.registry import NoParams, Registry
 
 if TYPE_CHECKING:
+    from fedguide.config import TrainConfig
     from fedguide.data.federated import ClientData
     from fedguide.fl.context import RunContext
     from fedguide.models.split import SplitModel
@@ -88,6 +89,10 @@ class Method:
         return {"weights": global_weights}
 
     # ---- client -------------------------------------------------------------------------------
+    def local_train(self, train: "TrainConfig") -> "TrainConfig":
+        """The settings of this method's local loop (SCAFFOLD's Algorithm 1 is plain SGD)."""
+        return train
+
     def client_start(self, ctx: ClientContext) -> torch.Tensor:
         """The weights local training starts from."""
         return ctx.payload["weights"]

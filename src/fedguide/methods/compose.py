@@ -78,6 +78,9 @@ class Composed(Method):
             payload.update({pre + k: v for k, v in r.server_payload(round_, client_id).items()})
         return payload
 
+    def local_train(self, train):
+        return self.base.local_train(train)
+
     def client_start(self, ctx):
         return self.base.client_start(ctx)
 
