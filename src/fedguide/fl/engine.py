@@ -33,7 +33,7 @@ from fedguide.fl.workers import InProcess, WorkerPool, resolve_workers
 from fedguide.fl.weights import WeightLayout
 from fedguide.methods import METHODS, Method, record_bytes
 from fedguide.methods.compose import REGULARIZERS, Composed, build_regularizers
-from fedguide.models import MODELS, ModelSpec, build_model
+from fedguide.models import MODELS, build_model
 from fedguide.registry import ConfigError
 
 ROUND_ACCURACY_MARKS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
@@ -105,7 +105,7 @@ def prepare(cfg: Config) -> Prepared:
     method_cls = METHODS.get(cfg.method.name).obj
     client_indices = method_cls.federation([used[p] for p in parts])
     try:  # an architecture that cannot take these inputs is a config error, found before any run dir exists
-        build_model(cfg.model.name, params["model"], ModelSpec(splits.input_shape, splits.num_classes))
+        build_model(cfg.model.name, params["model"], splits.model_spec())
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return Prepared(cfg, params, FederatedData(splits, client_indices), method_cls)
@@ -128,7 +128,7 @@ class Experiment:
     # ---- set-up -------------------------------------------------------------------------------
     def build_context(self) -> tuple[RunContext, Method]:
         cfg = self.cfg
-        spec = ModelSpec(self.p.data.splits.input_shape, self.p.data.num_classes)
+        spec = self.p.data.splits.model_spec()
         torch.manual_seed(derive_seed(cfg.seed, "model"))
         model = build_model(cfg.model.name, self.p.params["model"], spec)
         layout = WeightLayout.of(model)

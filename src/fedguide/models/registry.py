@@ -11,5 +11,6 @@ MODELS: Registry = Registry("model")
 class ModelSpec:
     """What a model builder needs to know about the data."""
 
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]  # (C, H, W) for images, (L,) for token-id sequences
     num_classes: int
+    vocab_size: int = 0  # text only: token ids are in [0, vocab_size), 0 = padding

@@ -2,10 +2,6 @@
 from __future__ import annotations
 
 import gzip
-import os
-import shutil
-import tempfile
-import urllib.request
 import zlib
 from pathlib import Path
 from typing import Optional
@@ -13,7 +9,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams, candidate_roots, normalise
+from fedguide.data.sources.base import (DATASETS, DatasetSplits, SourceParams, candidate_roots, download_dir,
+                                        download_file, normalise, offline)
 from fedguide.registry import ConfigError
 
 FILES = {
@@ -70,23 +67,17 @@ def locate(root: Optional[str]) -> Optional[dict[str, Path]]:
 
 
 def download(target: Path, timeout: float = 10.0) -> dict[str, Path]:
-    target.mkdir(parents=True, exist_ok=True)
     out = {}
     for key, stem in FILES.items():
         dest = target / f"{stem}.gz"
         if not dest.is_file():
-            # Download next to the destination, then rename: an interrupted download leaves no half file.
-            with tempfile.NamedTemporaryFile(dir=target, delete=False) as tmp:
-                with urllib.request.urlopen(URL + stem + ".gz", timeout=timeout) as resp:
-                    shutil.copyfileobj(resp, tmp)
-            os.replace(tmp.name, dest)
+            download_file(URL + stem + ".gz", dest, timeout)
         out[key] = dest
     return out
 
 
 def default_download_dir() -> Path:
-    base = os.environ.get("FEDGUIDE_DATA") or os.path.join(os.path.expanduser("~"), ".cache", "fedguide")
-    return Path(base) / "fashion-mnist"
+    return download_dir("fashion-mnist")
 
 
 @DATASETS.register("fmnist", params=SourceParams, summary="Fashion-MNIST (IDX files), 10 classes, 28x28 grey")
@@ -95,7 +86,7 @@ def load_fmnist(params: SourceParams) -> DatasetSplits:
     if found is None:
         target = default_download_dir()
         try:
-            if os.environ.get("FEDGUIDE_OFFLINE") == "1":
+            if offline():  # checked before any download is attempted
                 raise OSError("downloads disabled by FEDGUIDE_OFFLINE=1")
             found = download(target)
         except OSError as err:
