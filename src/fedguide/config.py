@@ -33,6 +33,10 @@ class Named(BaseModel):
 class DataConfig(Named):
     name: str = "fmnist"
     fraction: float = Field(1.0, gt=0.0, le=1.0)
+    public_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="stratified share of the training set held out as a public pool "
+                                         "that no client receives (server-side public data, guidance pretraining)")
+    public_seed: int = Field(0, description="fixes the public pool, independently of the run seed")
 
 
 class ClientsConfig(Strict):
@@ -88,7 +92,7 @@ class Config(Strict):
 
 
 # Keys a named section owns itself (not parameters of the entry it names).
-SECTION_KEYS = {"data": ("fraction",)}
+SECTION_KEYS = {"data": ("fraction", "public_fraction", "public_seed")}
 
 
 def parse_value(text: str) -> Any:

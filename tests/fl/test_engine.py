@@ -1,6 +1,7 @@
 """The round loop in-process on 8x8 digits: sampling, determinism, Local and Centralized semantics."""
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -8,7 +9,9 @@ import torch
 from fedguide.fl.engine import Experiment, prepare
 from fedguide.fl.seeding import sample_clients
 from fedguide.fl.state import ClientStateStore
-from tiny import run_tiny, tiny_config
+from fedguide.registry import ConfigError
+from fedguide.config import build_config
+from tiny import run_tiny, tiny_config, tiny_raw
 
 
 def config(**over):
@@ -80,3 +83,30 @@ def test_fraction_subsamples_the_training_set_stratified(tmp_path):
     assert abs(n_q - 0.25 * n_full) <= 10
     counts = quarter.class_counts().sum(0)
     assert counts.min() >= 0.2 * n_full / 10 * 0.9  # every class keeps its share
+
+
+def test_public_pool_is_fixed_stratified_and_never_given_to_clients():
+    data = prepare(config(data={"name": "digits", "public_fraction": 0.1})).data
+    public = set(data.public_indices.tolist())
+    labels = data.splits.train_y.numpy()
+    assert abs(len(public) - 0.1 * len(labels)) <= 10
+    assert min(torch.bincount(torch.as_tensor(labels[sorted(public)]), minlength=10).tolist()) >= 10
+    assert not public & set(int(i) for p in data.client_indices for i in p)
+    other_seed = prepare(config(seed=5, data={"name": "digits", "public_fraction": 0.1})).data
+    assert set(other_seed.public_indices.tolist()) == public, "the pool does not move with the run seed"
+    moved = prepare(config(data={"name": "digits", "public_fraction": 0.1, "public_seed": 1})).data
+    assert set(moved.public_indices.tolist()) != public
+    without = prepare(config()).data
+    assert all((a == b).all() for a, b in zip(without.client_indices, prepare(config()).data.client_indices))
+
+
+def test_public_pool_is_recorded_in_the_run(tmp_path):
+    _, _, run_dir = run(tmp_path, data={"name": "digits", "public_fraction": 0.1}, train={"rounds": 1})
+    record = json.loads((run_dir / "partition.json").read_text())
+    assert record["public_samples"] > 100
+
+
+def test_unlabeled_clients_are_refused_by_methods_that_train_on_labels():
+    cfg = build_config(tiny_raw(partition=None) | {"partition": {"name": "semi_supervised", "server_fraction": 0.2}})
+    with pytest.raises(ConfigError, match="trains on client labels"):
+        prepare(cfg)

@@ -1,7 +1,8 @@
 """The federation a run trains on: shared in-memory tensors plus per-client index lists."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ class ClientData:
     x: torch.Tensor
     y: torch.Tensor
     num_classes: int
+    labeled: bool = True  # false in semi-supervised scenarios: the client must not train on y
 
     def __len__(self) -> int:
         return int(self.indices.numel())
@@ -46,6 +48,11 @@ class ClientData:
 class FederatedData:
     splits: DatasetSplits
     client_indices: list[np.ndarray]
+    # Held out from every client: the public pool (data.public_fraction) and the server's labeled set
+    # of a semi-supervised scenario; both index the training tensors.
+    public_indices: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    server_indices: Optional[np.ndarray] = None
+    clients_labeled: bool = True
 
     @property
     def num_clients(self) -> int:
@@ -62,10 +69,18 @@ class FederatedData:
             x=self.splits.train_x,
             y=self.splits.train_y,
             num_classes=self.num_classes,
+            labeled=self.clients_labeled,
         )
 
     def class_counts(self) -> np.ndarray:
         return client_class_counts(self.splits.train_y.numpy(), self.client_indices, self.num_classes)
+
+    def domain_counts(self) -> Optional[np.ndarray]:
+        """[K, D] samples of each domain per client, or None for data without domains."""
+        if self.splits.train_domains is None:
+            return None
+        return client_class_counts(self.splits.train_domains.numpy(), self.client_indices,
+                                   len(self.splits.domain_names))
 
     def summary(self) -> dict:
         counts = self.class_counts()

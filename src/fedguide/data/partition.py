@@ -181,21 +181,11 @@ def client_class_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes
 def make_partition(
     name: str, raw_params: dict[str, Any], labels: np.ndarray, num_clients: int, seed: int
 ) -> list[np.ndarray]:
-    """Validate the config section, run partition ``name`` seeded with ``seed``, check no client is empty."""
-    if num_clients < 1:
-        raise ConfigError(f"clients.num must be >= 1, got {num_clients}")
-    labels = np.asarray(labels)
-    if labels.ndim != 1:
-        raise ValueError(f"labels must be 1-D, got shape {labels.shape}")
-    raw = {k: v for k, v in raw_params.items() if k != "name"}
-    params = PARTITIONS.parse_params(name, raw, "partition")
-    fn = PARTITIONS.get(name).obj
-    parts = fn(labels, num_clients, params, np.random.default_rng(seed))
-    empty = [k for k, p in enumerate(parts) if len(p) == 0]
-    # A partition may opt in to empty clients by setting ``allow_empty = True`` on its function.
-    if empty and not getattr(fn, "allow_empty", False):
-        raise ConfigError(
-            f"partition '{name}' left client(s) {empty} with no samples ({len(labels)} samples, "
-            f"{num_clients} clients); use fewer clients.num or change the partition parameters"
-        )
-    return parts
+    """The clients' index arrays of a label-only partition (see ``scenarios.make_scenario``)."""
+    from fedguide.data.scenarios import make_scenario
+
+    return make_scenario(name, raw_params, labels, num_clients, seed).clients
+
+
+# The domain-shift and server-labeled scenarios register themselves in PARTITIONS too.
+from fedguide.data import scenarios  # noqa: E402,F401

@@ -19,9 +19,10 @@ import torch
 import yaml
 
 import fedguide
-from fedguide.config import Config, build_config, to_yaml
+from fedguide.config import SECTION_KEYS, Config, build_config, to_yaml
 from fedguide.data.federated import FederatedData, stratified_fraction
-from fedguide.data.partition import PARTITIONS, make_partition
+from fedguide.data.partition import PARTITIONS
+from fedguide.data.scenarios import make_scenario
 from fedguide.data.sources import DATASETS
 from fedguide.fl.atomic import write_json, write_jsonl, write_text
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
@@ -62,7 +63,8 @@ def resolve(cfg: Config) -> tuple[Config, dict[str, Any]]:
         "method": METHODS.parse_params(cfg.method.name, cfg.method.params_dict(), "method"),
     }
     for section, params in parsed.items():
-        raw[section] = {**{k: raw[section][k] for k in ("name", "fraction") if k in raw[section]},
+        own = ("name", *SECTION_KEYS.get(section, ()))  # the section's own keys, not the entry's params
+        raw[section] = {**{k: raw[section][k] for k in own if k in raw[section]},
                         **params.model_dump(mode="json")}
     return build_config(raw), parsed
 
@@ -99,16 +101,29 @@ def prepare(cfg: Config) -> Prepared:
     cfg, params = resolve(cfg)
     splits = DATASETS.get(cfg.data.name).obj(params["data"])
     labels = splits.train_y.numpy()
-    used = stratified_fraction(labels, cfg.data.fraction, numpy_rng(cfg.seed, "data"))
-    parts = make_partition(cfg.partition.name, cfg.partition.params_dict(), labels[used], cfg.clients.num,
-                           derive_seed(cfg.seed, "partition"))
+    pool = np.arange(len(labels))
+    public = np.empty(0, np.int64)
+    if cfg.data.public_fraction > 0:
+        public = stratified_fraction(labels, cfg.data.public_fraction, numpy_rng(cfg.data.public_seed, "public"))
+        pool = np.setdiff1d(pool, public)
+    used = pool[stratified_fraction(labels[pool], cfg.data.fraction, numpy_rng(cfg.seed, "data"))]
+    domains = splits.train_domains.numpy()[used] if splits.train_domains is not None else None
+    part = make_scenario(cfg.partition.name, cfg.partition.params_dict(), labels[used], cfg.clients.num,
+                         derive_seed(cfg.seed, "partition"), domains, splits.domain_names)
     method_cls = METHODS.get(cfg.method.name).obj
-    client_indices = method_cls.federation([used[p] for p in parts])
+    if not part.clients_labeled and method_cls.needs_client_labels:
+        raise ConfigError(f"partition '{cfg.partition.name}' leaves the clients' data unlabeled, but method "
+                          f"'{cfg.method.name}' trains on client labels; choose a method for unlabeled clients "
+                          "or another partition")
+    client_indices = method_cls.federation([used[p] for p in part.clients])
     try:  # an architecture that cannot take these inputs is a config error, found before any run dir exists
         build_model(cfg.model.name, params["model"], splits.model_spec())
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return Prepared(cfg, params, FederatedData(splits, client_indices), method_cls)
+    data = FederatedData(splits, client_indices, public_indices=public,
+                         server_indices=None if part.server is None else used[part.server],
+                         clients_labeled=part.clients_labeled)
+    return Prepared(cfg, params, data, method_cls)
 
 
 def round_line(m: dict[str, Any], rounds: int) -> str:
@@ -140,7 +155,8 @@ class Experiment:
             layout=layout,
             initial_weights=layout.flatten(model),
             evaluator=Evaluator(model, layout, self.p.data.splits.test_x, self.p.data.splits.test_y,
-                                cfg.train.eval_batch_size),
+                                cfg.train.eval_batch_size, self.p.data.splits.test_domains,
+                                self.p.data.splits.domain_names),
             store=ClientStateStore(self.run_dir / "client_state"),
             server_store=ClientStateStore(self.run_dir / "server_state"),
             run_dir=self.run_dir,
@@ -158,8 +174,19 @@ class Experiment:
         write_json(self.run_dir / "partition.json", self._partition_record())
 
     def _partition_record(self) -> dict[str, Any]:
-        return {"num_classes": self.p.data.num_classes, "class_names": self.p.data.splits.class_names,
-                "counts": self.p.data.class_counts().tolist()}
+        data = self.p.data
+        record = {"num_classes": data.num_classes, "class_names": data.splits.class_names,
+                  "counts": data.class_counts().tolist()}
+        domain_counts = data.domain_counts()
+        if domain_counts is not None:
+            record.update(domain_names=data.splits.domain_names, domain_counts=domain_counts.tolist())
+        if len(data.public_indices):
+            record["public_samples"] = int(len(data.public_indices))
+        if data.server_indices is not None:
+            record["server_samples"] = int(len(data.server_indices))
+        if not data.clients_labeled:
+            record["clients_labeled"] = False
+        return record
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self, resume: bool = False) -> dict[str, Any]:
@@ -259,6 +286,7 @@ class Experiment:
             "best_accuracy": curve[best],
             "best_round": metrics[best]["round"],
             "accuracy_curve": curve,
+            **({"domain_accuracy": metrics[-1]["domain_accuracy"]} if "domain_accuracy" in metrics[-1] else {}),
             "rounds_to_accuracy": {str(a): next((m["round"] for m in metrics if m["accuracy"] >= a), None)
                                    for a in ROUND_ACCURACY_MARKS},
             "wall_seconds": wall,

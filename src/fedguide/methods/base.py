@@ -65,6 +65,8 @@ class Method:
     Params: ClassVar[type[BaseModel]] = NoParams
     # Model keys this method's paper fixes (e.g. FedDW's bias-free head); a config's explicit keys win.
     model_defaults: ClassVar[dict[str, Any]] = {}
+    # False for methods that learn from unlabeled clients (semi-supervised scenarios, FedDISC).
+    needs_client_labels: ClassVar[bool] = True
 
     def __init__(self, params: BaseModel, run: "RunContext"):
         self.params = params

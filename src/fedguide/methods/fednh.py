@@ -201,8 +201,7 @@ class FedNH(Method):
     def evaluate(self, round_, global_weights):
         z, _, y = self.run.evaluator.features(global_weights)
         logits = cosine_logits(z, self._protos(global_weights), self.scale)
-        return {"accuracy": float((logits.argmax(1) == y).float().mean()),
-                "test_loss": float(F.cross_entropy(logits, y)), "scale": float(self.scale)}
+        return {**self.run.evaluator.score(logits.argmax(1), logits), "scale": float(self.scale)}
 
     def server_state(self):
         # The prototypes live in the global weights (the head), which the checkpoint already holds.

@@ -37,7 +37,6 @@ where it changes the method):
 """
 from __future__ import annotations
 
-import statistics
 from typing import TYPE_CHECKING, Literal, Sequence
 
 import torch
@@ -45,6 +44,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.fl.aggregation import sample_weighted_average
+from fedguide.fl.evaluation import mean_metrics
 from fedguide.methods.base import METHODS, Method
 
 if TYPE_CHECKING:
@@ -182,25 +182,13 @@ class FedProto(Method):
         z, logits, y = self.run.evaluator.features(weights)
         head_pred = logits.argmax(1)
         pred = nearest_prototype(z, self.protos, self.present) if self.present.any() else head_pred
-        return {
-            "accuracy": float((pred == y).float().mean()),
-            "head_accuracy": float((head_pred == y).float().mean()),
-            "test_loss": float(F.cross_entropy(logits, y)),
-        }
+        return {**self.run.evaluator.score(pred, logits), "head_accuracy": float((head_pred == y).float().mean())}
 
     def evaluate(self, round_, global_weights):
         if self.params.share_weights:
             return self._metrics(global_weights)
-        per_client = [self._metrics(self.run.store.get(cid, round_).get("weights", self.run.initial_weights))
-                      for cid in range(self.run.num_clients)]
-        accs = [m["accuracy"] for m in per_client]
-        return {
-            "accuracy": statistics.fmean(accs),
-            "head_accuracy": statistics.fmean(m["head_accuracy"] for m in per_client),
-            "test_loss": statistics.fmean(m["test_loss"] for m in per_client),
-            "client_accuracy_min": min(accs),
-            "client_accuracy_max": max(accs),
-        }
+        return mean_metrics([self._metrics(self.run.store.get(cid, round_).get("weights", self.run.initial_weights))
+                             for cid in range(self.run.num_clients)])
 
     def server_state(self):
         return {"protos": self.protos, "present": self.present}

@@ -2,8 +2,7 @@
 
 Reports the mean, over all clients, of each client model's accuracy on the global test set.
 """
-import statistics
-
+from fedguide.fl.evaluation import mean_metrics
 from fedguide.methods.base import METHODS, Method
 
 
@@ -26,15 +25,5 @@ class Local(Method):
         return global_weights
 
     def evaluate(self, round_, global_weights):
-        accs, losses = [], []
-        for cid in range(self.run.num_clients):
-            weights = self.run.store.get(cid, round_).get("weights", self.run.initial_weights)
-            m = self.run.evaluator.evaluate(weights)
-            accs.append(m["accuracy"])
-            losses.append(m["test_loss"])
-        return {
-            "accuracy": statistics.fmean(accs),
-            "test_loss": statistics.fmean(losses),
-            "client_accuracy_min": min(accs),
-            "client_accuracy_max": max(accs),
-        }
+        return mean_metrics([self.run.evaluator.evaluate(self.run.store.get(cid, round_).get("weights", self.run.initial_weights))
+                             for cid in range(self.run.num_clients)])
