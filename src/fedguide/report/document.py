@@ -10,7 +10,7 @@ from typing import Iterable
 
 from fedguide.report.plots import ACCURACY_PNG, make_plots, partition_plan
 from fedguide.report.runs import RunRecord, load_run
-from fedguide.report.tables import _cell, results_table
+from fedguide.report.tables import _cell, domain_table, results_table
 
 REPORT_MD = "report.md"
 
@@ -61,6 +61,7 @@ def _rel(path: Path, start: Path) -> str:
 
 
 def render_markdown(runs: list[RunRecord], out_dir: Path, plots: Iterable[Path] = ()) -> str:
+    plots = list(plots)  # read twice below
     n_done = sum(r.complete for r in runs)
     lines = [
         "# fedguide report",
@@ -71,6 +72,7 @@ def render_markdown(runs: list[RunRecord], out_dir: Path, plots: Iterable[Path] 
         "## Results",
         "",
         results_table(runs),
+        *(["## Per-domain test accuracy (final round)", "", domains, ""] if (domains := domain_table(runs)) else []),
         "## Test accuracy",
         "",
         f"![test accuracy per round]({ACCURACY_PNG})",
@@ -83,6 +85,8 @@ def render_markdown(runs: list[RunRecord], out_dir: Path, plots: Iterable[Path] 
             names = ", ".join(r.name for r in members)
             lines += [f"**{members[0].partition_label}** on {members[0].dataset} (runs: {names})", "",
                       f"![partition {members[0].partition_label}]({stem}.png)", ""]
+            if any(p.name == f"{stem}_domains.png" for p in plots):
+                lines += [f"![domains {members[0].partition_label}]({stem}_domains.png)", ""]
 
     # Only this report's plots: an earlier report in the same folder may have left other files.
     dw = sorted(p for p in plots if p.name.startswith("feddw_"))

@@ -11,7 +11,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import matplotlib
 import numpy as np
@@ -89,39 +89,60 @@ def plot_accuracy_curves(groups: list[Group], path: Path) -> Path:
     return save_atomic(fig, path)
 
 
-def plot_partition(run: RunRecord, path: Path) -> Path:
-    part = run.partition or {}
+def _counts(run: RunRecord, key: str, what: str) -> np.ndarray:
     try:
-        counts = np.array(part["counts"], dtype=float)
+        counts = np.array((run.partition or {})[key], dtype=float)
     except (KeyError, ValueError, TypeError) as err:
-        raise ValueError(f"{run.path / 'partition.json'}: 'counts' must be a clients x classes "
+        raise ValueError(f"{run.path / 'partition.json'}: '{key}' must be a clients x {what} "
                          f"list of lists of numbers ({err})") from None
     if counts.ndim != 2 or counts.size == 0:
-        raise ValueError(f"{run.path / 'partition.json'}: 'counts' must be a non-empty clients x classes "
+        raise ValueError(f"{run.path / 'partition.json'}: '{key}' must be a non-empty clients x {what} "
                          f"matrix, got shape {counts.shape}")
-    n_clients, n_classes = counts.shape
-    fig = _new_figure((max(6.0, min(16.0, 0.45 * n_classes + 3)), max(4.0, min(20.0, 0.28 * n_clients + 2))))
+    return counts
+
+
+def _heatmap(counts: np.ndarray, names: Any, xlabel: str, title: str, path: Path) -> Path:
+    n_clients, n_cols = counts.shape
+    fig = _new_figure((max(6.0, min(16.0, 0.45 * n_cols + 3)), max(4.0, min(20.0, 0.28 * n_clients + 2))))
     ax = fig.add_subplot()
     im = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis")
     fig.colorbar(im, ax=ax, label="samples")
-    ax.set_xlabel("class")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("client")
-    ax.set_title(f"Partition: {run.partition_label} on {run.dataset} ({n_clients} clients × {n_classes} classes)")
-
-    names = part.get("class_names")
-    if n_classes <= 40:
-        ax.set_xticks(range(n_classes))
-        if isinstance(names, list) and len(names) == n_classes:
+    ax.set_title(title)
+    if n_cols <= 40:
+        ax.set_xticks(range(n_cols))
+        if isinstance(names, list) and len(names) == n_cols:
             ax.set_xticklabels([str(n) for n in names], rotation=45, ha="right", fontsize="small")
     if n_clients <= 40:
         ax.set_yticks(range(n_clients))
     # Exact numbers help when the matrix is small enough to read them; beyond that they are noise.
-    if n_clients * n_classes <= 200:
+    if n_clients * n_cols <= 200:
         thresh = counts.max() / 2 if counts.max() > 0 else 1
         for (ci, k), v in np.ndenumerate(counts):
             ax.text(k, ci, f"{v:g}", ha="center", va="center", fontsize="x-small",
                     color="black" if v > thresh else "white")
     return save_atomic(fig, path)
+
+
+def plot_partition(run: RunRecord, path: Path) -> Path:
+    """Class x client heatmap of a run's partition."""
+    counts = _counts(run, "counts", "classes")
+    n_clients, n_classes = counts.shape
+    return _heatmap(counts, (run.partition or {}).get("class_names"), "class",
+                    f"Partition: {run.partition_label} on {run.dataset} ({n_clients} clients × {n_classes} classes)",
+                    path)
+
+
+def plot_domain_partition(run: RunRecord, path: Path) -> Path | None:
+    """Domain x client heatmap, for data with domains (None otherwise)."""
+    if "domain_counts" not in (run.partition or {}):
+        return None
+    counts = _counts(run, "domain_counts", "domains")
+    n_clients, n_domains = counts.shape
+    return _heatmap(counts, run.partition.get("domain_names"), "domain",
+                    f"Domains: {run.partition_label} on {run.dataset} ({n_clients} clients × {n_domains} domains)",
+                    path)
 
 
 def _safe_name(name: str) -> str:
@@ -151,12 +172,16 @@ def partition_plan(runs: Iterable[RunRecord]) -> list[tuple[str, list[RunRecord]
 
 
 def make_plots(runs: Iterable[RunRecord | str | Path], out_dir: str | Path) -> list[Path]:
-    """Write accuracy_curves.png and one partition_<run-name>.png per distinct partition.json."""
+    """Write accuracy_curves.png and one partition_<run-name>.png per distinct partition.json (plus
+    partition_<run-name>_domains.png where the data has domains)."""
     runs = as_records(runs)
     out_dir = Path(out_dir)
     written = [plot_accuracy_curves(group_runs(runs), out_dir / ACCURACY_PNG)]
     for stem, members in partition_plan(runs):
         written.append(plot_partition(members[0], out_dir / f"{stem}.png"))
+        domains = plot_domain_partition(members[0], out_dir / f"{stem}_domains.png")
+        if domains is not None:
+            written.append(domains)
     for run in runs:
         png = plot_dw_matrices(run, out_dir / f"feddw_{_safe_name(run.name)}.png", save_atomic, _new_figure)
         if png is not None:

@@ -168,3 +168,25 @@ def results_table(runs: Iterable[RunRecord | str | Path], footnotes: bool = True
             notes.append(INCOMPLETE_FOOTNOTE)
         text += "\n" + "\n\n".join(notes) + "\n"
     return text
+
+
+def domain_table(runs: Iterable[RunRecord | str | Path]) -> str:
+    """Markdown table of final per-domain test accuracy (mean ± std over seeds), one row per group of
+    complete runs that report it; empty when no run has domains."""
+    groups = [g for g in group_runs(as_records(runs))
+              if g.complete and all("domain_accuracy" in (r.summary or {}) for r in g.runs)]
+    if not groups:
+        return ""
+    domains: list[str] = []
+    for g in groups:
+        for r in g.runs:
+            domains += [d for d in r.summary["domain_accuracy"] if d not in domains]
+    lines = ["| method | partition | " + " | ".join(_cell(d) for d in domains) + " |",
+             "|---|---|" + "---:|" * len(domains)]
+    for g in groups:
+        cells = [g.label, g.partition]
+        for d in domains:
+            cells.append(_pct_mean_std([r.summary["domain_accuracy"][d] for r in g.runs
+                                        if d in r.summary["domain_accuracy"]]))
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
