@@ -1,0 +1,470 @@
+"""Named multi-domain image datasets: each knows its domains, classes and on-disk layout.
+
+``office_caltech10``, ``domainnet`` and ``nicopp`` are folder trees read through ``imagefolder``;
+``openimage_fedcado`` / ``openimage_feddisc``, ``ham10000`` and ``eurosat`` have their own layouts.
+None is downloaded automatically except EuroSAT (one 90 MB zip): the others are several gigabytes or
+sit behind a registration page, so a missing dataset is a ConfigError naming where to get it and the
+layout expected. Roots are searched in data.root, $FEDGUIDE_DATA and the download folder, each as it is
+or with the dataset's usual folder name appended.
+
+Decisions where the datasets or papers are silent:
+
+- Office-Caltech-10 and NICO++ have no official split used in FL: a seeded stratified ``test_fraction``
+  per domain and class (see ``_images``), unless the tree has ``<domain>/{train,test}/`` folders
+  (or, for NICO++, the official ``<domain>_{train,test}.txt`` lists of NICO_DG_official).
+- DomainNet: the official ``<domain>_{train,test}.txt`` lists are honoured per domain when both are
+  present (in root, root/splits or root/txt); the numeric label in a line is ignored, the class comes from
+  the path, so a class selection re-numbers labels consistently. ``subset: ten`` is FedBN's 10 classes;
+  ``num_classes: N`` keeps the first N in the official (alphabetical) order, as FedCADO (90) and FedDISC
+  (90 / 150 / 345) do.
+- OpenImage (FedCADO Table 5, which states it follows FedDISC's partition; FedDISC's own text defers the
+  list to a supplement that is not part of the paper, and both authors' released loaders use this same
+  table): labels are the 20 super-categories, domain ``client<k>`` holds the k-th fine-grained subclass of
+  every super-category. Images come from Open Images' own train/test splits as a FiftyOne download lays
+  them out. Only positive image-level labels (Confidence 1) count; an image positive for two chosen
+  subclasses of one domain is dropped (its super-class label would be ambiguous); label rows whose image
+  was not downloaded are skipped (a partial download is the normal case), but every selected domain and
+  class must keep at least one training image. The same image may serve two domains (``Knife`` is client3's
+  kitchen utensil and client0's weapon), as in the papers. FedCADO trains on 30 images per class and
+  client (``max_train_per_class: 30``, a seeded draw); FedDISC's 300-500 per subcategory is not pinned
+  down, so ``openimage_feddisc`` keeps all by default.
+- HAM10000: labels = ``dx``, domains = the ``dataset`` column (the four sources of the images); the test
+  split is drawn per (domain, class) with all images of one lesion (``lesion_id``) on the same side, so
+  no lesion is seen in both training and test.
+- EuroSAT: the RGB release, 64x64 images, held at their native 64 by default; no domains.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from fedguide.data.sources._images import (ImageParams, Sample, build_splits, check_known, find_root,
+                                           group_rng, list_images, sort_key)
+from fedguide.data.sources.base import DATASETS, DatasetSplits, download_dir, download_file, offline
+from fedguide.data.sources.imagefolder import read_folder_dataset, read_tree, resolve_classes
+from fedguide.registry import ConfigError
+
+
+def not_found(title: str, looked: list[Path], how: str, layout: str) -> ConfigError:
+    where = ", ".join(str(p) for p in looked)
+    return ConfigError(f"{title} not found (looked in {where}). {how} Set data.root (or FEDGUIDE_DATA) to the "
+                       f"folder. Expected layout: {layout}")
+
+
+def has_domains(domains: list[str]):
+    return lambda folder: all((folder / d).is_dir() for d in domains)
+
+
+class DomainParams(ImageParams):
+    domains: Optional[list[str]] = Field(None, description="domains to read, in this order (default: all)")
+    classes: Optional[list[str]] = Field(None, description="classes to read, in this order (default: all)")
+
+
+# ---- Office-Caltech-10 ---------------------------------------------------------------------------
+
+OFFICE_DOMAINS = ["amazon", "caltech", "dslr", "webcam"]
+OFFICE_CLASSES = ["back_pack", "bike", "calculator", "headphones", "keyboard", "laptop_computer", "monitor",
+                  "mouse", "mug", "projector"]
+OFFICE_LAYOUT = ("root/{amazon,caltech,dslr,webcam}/<class>/*.jpg with the class folders "
+                 + ", ".join(OFFICE_CLASSES) + " (optionally root/<domain>/{train,test}/<class>/*)")
+
+
+@DATASETS.register("office_caltech10", params=DomainParams,
+                   summary="Office-Caltech-10: 4 domains (amazon, caltech, dslr, webcam), 10 classes")
+def load_office_caltech10(params: DomainParams) -> DatasetSplits:
+    domains = check_known(params.domains, OFFICE_DOMAINS, "Office-Caltech-10 domains", OFFICE_LAYOUT)
+    classes = check_known(params.classes, OFFICE_CLASSES, "Office-Caltech-10 classes", OFFICE_LAYOUT)
+    root, looked = find_root(params.root, "office_caltech10", ("office_caltech_10", "office_caltech10"),
+                             has_domains(domains))
+    if root is None:
+        raise not_found("Office-Caltech-10", looked, "It has no official archive: it is the 10 classes shared by "
+                        "Office-31 and Caltech-256 (Gong et al., CVPR 2012).", OFFICE_LAYOUT)
+    return read_folder_dataset(root, params, OFFICE_LAYOUT, domains, classes)
+
+
+# ---- split lists (DomainNet, NICO++) ------------------------------------------------------------
+
+def split_lists(split_dirs: list[Path], domain: str) -> Optional[dict[str, Path]]:
+    """``<domain>_train.txt`` and ``<domain>_test.txt`` from the first folder holding either."""
+    for folder in split_dirs:
+        found = {s: folder / f"{domain}_{s}.txt" for s in ("train", "test")}
+        present = [p for p in found.values() if p.is_file()]
+        if len(present) == 2:
+            return found
+        if present:
+            raise ConfigError(f"{present[0]} has no partner {domain}_{{train,test}}.txt beside it; add it or "
+                              "remove both to fall back to the seeded split")
+    return None
+
+
+def read_split_list(path: Path, image_root: Path, domain: str, split: str, classes: set[str],
+                    layout: str) -> list[Sample]:
+    """Lines '<...>/<domain>/<class>/<file> <label>'; the path's last three parts locate the image."""
+    samples = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            rel, _, label = line.rpartition(" ")
+            parts = Path(rel.replace("\\", "/")).parts
+            if len(parts) < 3 or not label.lstrip("-").isdigit():
+                raise ConfigError(f"{path} line {n} is not '<domain>/<class>/<file> <label>': {line!r}")
+            dom, cls, name = parts[-3:]
+            if dom != domain:
+                raise ConfigError(f"{path} line {n} names domain {dom!r}, not {domain!r}")
+            if cls not in classes:
+                continue
+            image = image_root / dom / cls / name
+            if not image.is_file():
+                raise ConfigError(f"{image} is listed in {path} line {n} but missing. Expected layout: {layout}")
+            samples.append(Sample(image, cls, dom, split))
+    return samples
+
+
+def read_listed_tree(root: Path, split_dirs: list[Path], params: ImageParams, layout: str,
+                     domains: list[str], classes: Optional[list[str]]) -> DatasetSplits:
+    """Like ``read_folder_dataset``, but a domain with split lists takes its split from them."""
+    classes = resolve_classes(root, domains, classes, layout)
+    listed = {d: split_lists(split_dirs, d) for d in domains}
+    folder_domains = [d for d in domains if listed[d] is None]
+    samples = read_tree(root, folder_domains, classes, layout)[0] if folder_domains else []
+    for d, lists in listed.items():
+        if lists is not None:
+            for split, path in lists.items():
+                samples += read_split_list(path, root, d, split, set(classes), layout)
+    d_rank = {d: i for i, d in enumerate(domains)}
+    c_rank = {c: i for i, c in enumerate(classes)}
+    samples.sort(key=lambda s: (d_rank[s.domain], c_rank[s.label], sort_key(s.path.name)))
+    return build_splits(samples, classes, domains, params, layout)
+
+
+# ---- DomainNet -----------------------------------------------------------------------------------
+
+DOMAINNET_DOMAINS = ["clipart", "infograph", "painting", "quickdraw", "real", "sketch"]
+DOMAINNET_TEN = ["bird", "feather", "headphones", "ice_cream", "teapot", "tiger", "whale", "windmill",
+                 "wine_glass", "zebra"]  # FedBN's subset
+DOMAINNET_PAGE = "http://ai.bu.edu/M3SDA/"
+DOMAINNET_BASE = "http://csr.bu.edu/ftp/visda/2019/multi-source/"
+DOMAINNET_URLS = {d: DOMAINNET_BASE + ("groundtruth/" if d in ("clipart", "painting") else "") + f"{d}.zip"
+                  for d in DOMAINNET_DOMAINS}  # the cleaned release
+DOMAINNET_SPLIT_URL = DOMAINNET_BASE + "domainnet/txt/{domain}_{split}.txt"
+DOMAINNET_LAYOUT = ("root/<domain>/<class>/*.jpg for the domains " + ", ".join(DOMAINNET_DOMAINS)
+                    + " (the official zips), with the official split lists root/<domain>_train.txt and "
+                    "root/<domain>_test.txt (lines 'domain/class/file.jpg label'; also read from root/splits)")
+
+
+class DomainNetParams(DomainParams):
+    subset: Literal["all", "ten"] = Field("all", description="ten: FedBN's 10 classes (bird, feather, ...)")
+    num_classes: Optional[int] = Field(None, ge=1, description=(
+        "keep the first N classes in the official order (FedCADO: 90; FedDISC: 90, 150, 345)"))
+
+
+@DATASETS.register("domainnet", params=DomainNetParams,
+                   summary="DomainNet: 6 domains, 345 classes (or FedBN's 10), official split lists when present")
+def load_domainnet(params: DomainNetParams) -> DatasetSplits:
+    domains = check_known(params.domains, DOMAINNET_DOMAINS, "DomainNet domains", DOMAINNET_LAYOUT)
+    chosen = [params.classes is not None, params.subset != "all", params.num_classes is not None]
+    if sum(chosen) > 1:
+        raise ConfigError("choose classes with one of classes, subset or num_classes, not several")
+    root, looked = find_root(params.root, "domainnet", ("domainnet", "DomainNet"), has_domains(domains))
+    if root is None:
+        raise not_found("DomainNet", looked, f"Download the domain zips from {DOMAINNET_PAGE} "
+                        f"(e.g. {DOMAINNET_URLS['clipart']}) and the split lists "
+                        f"({DOMAINNET_SPLIT_URL.format(domain='clipart', split='train')}, ...).", DOMAINNET_LAYOUT)
+    classes = params.classes
+    if params.subset == "ten":
+        classes = list(DOMAINNET_TEN)
+    elif params.num_classes is not None:
+        all_classes = resolve_classes(root, domains, None, DOMAINNET_LAYOUT)
+        if params.num_classes > len(all_classes):
+            raise ConfigError(f"num_classes {params.num_classes} exceeds the {len(all_classes)} classes found")
+        classes = all_classes[: params.num_classes]
+    return read_listed_tree(root, [root, root / "splits", root / "txt"], params, DOMAINNET_LAYOUT, domains, classes)
+
+
+# ---- NICO++ --------------------------------------------------------------------------------------
+
+NICO_DOMAINS = ["autumn", "dim", "grass", "outdoor", "rock", "water"]
+NICO_PAGE = "https://github.com/xxgege/NICO-plus"
+NICO_LAYOUT = ("root/<domain>/<class>/*.jpg for the common domains " + ", ".join(NICO_DOMAINS)
+               + " (NICO_DG of the official release), optionally with its split lists "
+               "<domain>_{train,test}.txt in root, root/splits or root/../NICO_DG_official")
+
+
+@DATASETS.register("nicopp", params=DomainParams,
+                   summary="NICO++ common contexts: 6 domains (autumn, dim, grass, outdoor, rock, water), 60 classes")
+def load_nicopp(params: DomainParams) -> DatasetSplits:
+    domains = check_known(params.domains, NICO_DOMAINS, "NICO++ domains", NICO_LAYOUT)
+    root, looked = find_root(params.root, "nicopp", ("NICO_DG", "nicopp", "nicopp/NICO_DG"), has_domains(domains))
+    if root is None:
+        raise not_found("NICO++", looked, f"Request it via {NICO_PAGE}.", NICO_LAYOUT)
+    split_dirs = [root, root / "splits", root.parent / "NICO_DG_official"]
+    return read_listed_tree(root, split_dirs, params, NICO_LAYOUT, domains, params.classes)
+
+
+# ---- OpenImage super-categories (FedCADO / FedDISC) --------------------------------------------
+
+# Super-category -> its fine-grained subclass in client0 .. client5 (FedCADO Table 5).
+OPENIMAGE_TABLE: dict[str, tuple[str, ...]] = {
+    "Baked goods": ("Pretzel", "Bagel", "Muffin", "Cookie", "Bread", "Croissant"),
+    "Bird": ("Woodpecker", "Parrot", "Magpie", "Eagle", "Falcon", "Sparrow"),
+    "Building": ("Convenience store", "House", "Tower", "Office building", "Castle", "Skyscraper"),
+    "Carnivore": ("Bear", "Leopard", "Fox", "Tiger", "Lion", "Otter"),
+    "Clothing": ("Shorts", "Dress", "Swimwear", "Brassiere", "Tiara", "Shirt"),
+    "Drink": ("Beer", "Cocktail", "Coffee", "Juice", "Tea", "Wine"),
+    "Fruit": ("Apple", "Lemon", "Banana", "Strawberry", "Peach", "Pineapple"),
+    "Furniture": ("Chair", "Desk", "Couch", "Wardrobe", "Bed", "Shelf"),
+    "Home appliance": ("Washing machine", "Toaster", "Oven", "Blender", "Gas stove", "Mechanical fan"),
+    "Human body": ("Human eye", "Skull", "Human mouth", "Human ear", "Human nose", "Human foot"),
+    "Kitchen utensil": ("Spatula", "Spoon", "Fork", "Knife", "Whisk", "Cutting board"),
+    "Land vehicle": ("Ambulance", "Cart", "Bus", "Van", "Truck", "Car"),
+    "Musical instrument": ("Drum", "Guitar", "Harp", "Piano", "Violin", "Accordion"),
+    "Office supplies": ("Pen", "Poster", "Calculator", "Whiteboard", "Box", "Envelope"),
+    "Plant": ("Maple", "Willow", "Rose", "Lily", "Common sunflower", "Houseplant"),
+    "Reptile": ("Dinosaur", "Lizard", "Snake", "Tortoise", "Crocodile", "Sea turtle"),
+    "Sports equipment (Ball)": ("Football", "Tennis ball", "Baseball bat", "Golf ball", "Rugby ball",
+                                "Volleyball (Ball)"),
+    "Toy": ("Doll", "Balloon", "Dice", "Flying disc", "Kite", "Teddy bear"),
+    "Vegetable": ("Potato", "Carrot", "Broccoli", "Cabbage", "Bell pepper", "Pumpkin"),
+    "Weapon": ("Knife", "Axe", "Sword", "Handgun", "Shotgun", "Dagger"),
+}
+OPENIMAGE_CLASSES = list(OPENIMAGE_TABLE)
+OPENIMAGE_DOMAINS = [f"client{k}" for k in range(6)]
+OPENIMAGE_LAYOUT = ("root/{train,test}/labels/classifications.csv (columns ImageID, LabelName, Confidence), "
+                    "root/{train,test}/metadata/classes.csv (rows 'MID,display name'), "
+                    "root/{train,test}/data/<ImageID>.jpg — an Open Images download by FiftyOne "
+                    "(load_zoo_dataset('open-images-v7', label_types=['classifications'], classes=[...]))")
+
+
+class OpenImageParams(DomainParams):
+    max_train_per_class: Optional[int] = Field(30, ge=1, description=(
+        "seeded draw of at most this many training images per client and class (FedCADO: 30); null = all"))
+
+
+class OpenImageFedDiscParams(OpenImageParams):
+    max_train_per_class: Optional[int] = Field(None, ge=1, description=(
+        "seeded draw of at most this many training images per client and class; null = all"))
+
+
+def read_class_ids(path: Path) -> dict[str, set[str]]:
+    """Display name -> its MIDs; a header row (first cell not a MID) is skipped."""
+    names: dict[str, set[str]] = {}
+    with open(path, newline="", encoding="utf-8") as fh:
+        for row in csv.reader(fh):
+            if len(row) >= 2 and row[0].startswith("/"):
+                names.setdefault(row[1].strip(), set()).add(row[0].strip())
+    if not names:
+        raise ConfigError(f"{path} lists no classes. Expected layout: {OPENIMAGE_LAYOUT}")
+    return names
+
+
+def read_positive_labels(path: Path, wanted: set[str]) -> dict[str, set[str]]:
+    """ImageID -> its positively verified labels among ``wanted``."""
+    out: dict[str, set[str]] = {}
+    with open(path, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        if not {"ImageID", "LabelName"} <= set(reader.fieldnames or ()):
+            raise ConfigError(f"{path} lacks the columns ImageID and LabelName. Expected layout: {OPENIMAGE_LAYOUT}")
+        for row in reader:
+            if row["LabelName"] not in wanted:
+                continue
+            try:
+                positive = float(row.get("Confidence") or 1) >= 0.5  # 0 = verified absent
+            except ValueError:
+                raise ConfigError(f"{path} line {reader.line_num}: Confidence {row['Confidence']!r} is not a "
+                                  "number") from None
+            if positive:
+                out.setdefault(row["ImageID"], set()).add(row["LabelName"])
+    return out
+
+
+def read_openimage_split(folder: Path, split: str, domains: list[str], classes: list[str]) -> list[Sample]:
+    for need in ("labels/classifications.csv", "metadata/classes.csv"):
+        if not (folder / need).is_file():
+            raise ConfigError(f"{folder / need} is missing. Expected layout: {OPENIMAGE_LAYOUT}")
+    ids = read_class_ids(folder / "metadata" / "classes.csv")
+    mid_to_super: dict[str, dict[str, str]] = {}  # domain -> MID -> super-category
+    for d in domains:
+        k = OPENIMAGE_DOMAINS.index(d)
+        for c in classes:
+            sub = OPENIMAGE_TABLE[c][k]
+            if sub not in ids:
+                raise ConfigError(f"{folder / 'metadata' / 'classes.csv'} has no class {sub!r} ({d}'s {c}); "
+                                  f"download Open Images with it. Expected layout: {OPENIMAGE_LAYOUT}")
+            mid_to_super.setdefault(d, {}).update({mid: c for mid in ids[sub]})
+    wanted = {mid for m in mid_to_super.values() for mid in m}
+    labels = read_positive_labels(folder / "labels" / "classifications.csv", wanted)
+    samples = []
+    for image_id in sorted(labels):
+        path = folder / "data" / f"{image_id}.jpg"
+        if not path.is_file():
+            continue
+        for d in domains:
+            supers = {mid_to_super[d][m] for m in labels[image_id] if m in mid_to_super[d]}
+            if len(supers) == 1:
+                samples.append(Sample(path, supers.pop(), d, split))
+    return samples
+
+
+def cap_per_class(samples: list[Sample], cap: Optional[int], seed: int) -> list[Sample]:
+    if cap is None:
+        return samples
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault((s.domain, s.label), []).append(i)
+    keep = set()
+    for key, idx in groups.items():
+        rng = group_rng(seed, *key)
+        keep.update(idx if len(idx) <= cap else rng.choice(idx, size=cap, replace=False).tolist())
+    return [s for i, s in enumerate(samples) if i in keep]
+
+
+def load_openimage(params: OpenImageParams) -> DatasetSplits:
+    domains = check_known(params.domains, OPENIMAGE_DOMAINS, "OpenImage clients", OPENIMAGE_LAYOUT)
+    classes = check_known(params.classes, OPENIMAGE_CLASSES, "OpenImage super-categories", OPENIMAGE_LAYOUT)
+    root, looked = find_root(params.root, "openimage", ("openimage", "open-images-v7", "open-images-v6"),
+                             lambda p: (p / "train" / "labels" / "classifications.csv").is_file())
+    if root is None:
+        raise not_found("Open Images", looked, "Download the train and test splits of the 120 subclasses with "
+                        "FiftyOne (https://storage.googleapis.com/openimages/web/download.html).", OPENIMAGE_LAYOUT)
+    train = cap_per_class(read_openimage_split(root / "train", "train", domains, classes),
+                          params.max_train_per_class, params.split_seed)
+    test = read_openimage_split(root / "test", "test", domains, classes)
+    have = {(s.domain, s.label) for s in train}
+    for d in domains:
+        lacking = [OPENIMAGE_TABLE[c][OPENIMAGE_DOMAINS.index(d)] for c in classes if (d, c) not in have]
+        if lacking:
+            raise ConfigError(f"no training images of {lacking} ({d}) under {root / 'train' / 'data'}. "
+                              f"Expected layout: {OPENIMAGE_LAYOUT}")
+    d_rank = {d: i for i, d in enumerate(domains)}
+    c_rank = {c: i for i, c in enumerate(classes)}
+    samples = sorted(train + test, key=lambda s: (d_rank[s.domain], c_rank[s.label], s.path.name))
+    return build_splits(samples, classes, domains, params, OPENIMAGE_LAYOUT)
+
+
+DATASETS.register("openimage_fedcado", params=OpenImageParams,
+                  summary="OpenImage as in FedCADO: 20 super-categories, 6 clients = 6 subclasses each, "
+                          "30 train images per class")(load_openimage)
+DATASETS.register("openimage_feddisc", params=OpenImageFedDiscParams,
+                  summary="OpenImage as in FedDISC: 20 super-categories, 6 domains = 6 subclasses each")(load_openimage)
+
+
+# ---- HAM10000 ------------------------------------------------------------------------------------
+
+HAM_CLASSES = ["akiec", "bcc", "bkl", "df", "mel", "nv", "vasc"]
+HAM_PAGE = "https://doi.org/10.7910/DVN/DBW86T"
+HAM_PARTS = ("HAM10000_images_part_1", "HAM10000_images_part_2")
+HAM_LAYOUT = ("root/HAM10000_metadata.csv (columns lesion_id, image_id, dx, ..., dataset) with the images "
+              "root/HAM10000_images_part_1/<image_id>.jpg and root/HAM10000_images_part_2/<image_id>.jpg")
+
+
+@DATASETS.register("ham10000", params=DomainParams,
+                   summary="HAM10000 skin lesions: 7 diagnoses, domains = the 4 image sources (dataset column)")
+def load_ham10000(params: DomainParams) -> DatasetSplits:
+    classes = check_known(params.classes, HAM_CLASSES, "HAM10000 diagnoses", HAM_LAYOUT)
+    root, looked = find_root(params.root, "ham10000", ("HAM10000", "ham10000"),
+                             lambda p: (p / "HAM10000_metadata.csv").is_file())
+    if root is None:
+        raise not_found("HAM10000", looked, f"Download it from {HAM_PAGE}.", HAM_LAYOUT)
+    images = {p.stem: p for part in HAM_PARTS if (root / part).is_dir() for p in list_images(root / part)}
+    meta = root / "HAM10000_metadata.csv"
+    with open(meta, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        if not {"image_id", "dx", "dataset"} <= set(reader.fieldnames or ()):
+            raise ConfigError(f"{meta} lacks the columns image_id, dx and dataset (the current release has "
+                              f"them, see {HAM_PAGE}). Expected layout: {HAM_LAYOUT}")
+        rows = list(reader)
+    unknown = sorted({r["dx"] for r in rows} - set(HAM_CLASSES))
+    if unknown:
+        raise ConfigError(f"{meta} has diagnoses {unknown} outside {HAM_CLASSES}")
+    present = sorted({r["dataset"] for r in rows}, key=sort_key)
+    domains = check_known(params.domains, present, "HAM10000 sources (dataset column)", HAM_LAYOUT)
+    d_rank = {d: i for i, d in enumerate(domains)}
+    c_rank = {c: i for i, c in enumerate(classes)}
+    samples = []
+    for r in rows:
+        if r["dataset"] not in d_rank or r["dx"] not in c_rank:
+            continue
+        if r["image_id"] not in images:
+            raise ConfigError(f"{r['image_id']}.jpg (in {meta}) is in neither {HAM_PARTS[0]}/ nor {HAM_PARTS[1]}/ "
+                              f"under {root}. Expected layout: {HAM_LAYOUT}")
+        samples.append(Sample(images[r["image_id"]], r["dx"], r["dataset"], None, r.get("lesion_id") or None))
+    samples.sort(key=lambda s: (d_rank[s.domain], c_rank[s.label], s.path.name))
+    return build_splits(samples, classes, domains, params, HAM_LAYOUT)
+
+
+# ---- EuroSAT -------------------------------------------------------------------------------------
+
+EUROSAT_URL = "https://madm.dfki.de/files/sentinel/EuroSAT.zip"
+EUROSAT_CLASSES = ["AnnualCrop", "Forest", "HerbaceousVegetation", "Highway", "Industrial", "Pasture",
+                   "PermanentCrop", "Residential", "River", "SeaLake"]
+EUROSAT_FOLDERS = ("2750", "EuroSAT_RGB")  # inside EuroSAT.zip / EuroSAT_RGB.zip
+EUROSAT_ZIPS = ("EuroSAT.zip", "EuroSAT_RGB.zip")
+EUROSAT_LAYOUT = ("root/2750/<class>/*.jpg (EuroSAT.zip extracted) or root/EuroSAT_RGB/<class>/*.jpg, with "
+                  "the classes " + ", ".join(EUROSAT_CLASSES) + "; or root/EuroSAT.zip itself")
+
+
+class EuroSatParams(ImageParams):
+    image_size: int = Field(64, ge=4, le=1024, description="side of the square images (64 = native)")
+    classes: Optional[list[str]] = Field(None, description="classes to read, in this order (default: all 10)")
+
+
+def eurosat_folder(base: Path) -> Optional[Path]:
+    for sub in EUROSAT_FOLDERS:
+        if (base / sub).is_dir():
+            return base / sub
+    return None
+
+
+def extract_eurosat(archive: Path, target: Path) -> Path:
+    """Unpack next to the downloads (never into the user's folder); a partial unpack never counts."""
+    target.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target, prefix=".unpack-"))
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(tmp)
+        inner = eurosat_folder(tmp)
+        if inner is None:
+            raise ConfigError(f"{archive} holds neither 2750/ nor EuroSAT_RGB/. Expected layout: {EUROSAT_LAYOUT}")
+        os.replace(inner, target / inner.name)
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise ConfigError(f"{archive} is not a readable zip ({err}); re-download it from {EUROSAT_URL}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target / inner.name
+
+
+def locate_eurosat(root: Optional[str]) -> Path:
+    target = download_dir("eurosat")
+    found, looked = find_root(root, "eurosat", ("eurosat", "EuroSAT"), lambda p: eurosat_folder(p) is not None)
+    if found is not None:
+        return eurosat_folder(found)  # type: ignore[return-value]
+    for folder in looked:
+        for name in EUROSAT_ZIPS:
+            if (folder / name).is_file():
+                return extract_eurosat(folder / name, target)
+    try:
+        if offline():  # checked before any download is attempted
+            raise OSError("downloads disabled by FEDGUIDE_OFFLINE=1")
+        archive = download_file(EUROSAT_URL, target / "EuroSAT.zip", timeout=30.0)
+    except OSError as err:
+        raise not_found("EuroSAT", looked, f"The download from {EUROSAT_URL} failed ({err}).",
+                        EUROSAT_LAYOUT) from None
+    return extract_eurosat(archive, target)
+
+
+@DATASETS.register("eurosat", params=EuroSatParams,
+                   summary="EuroSAT RGB: 10 land-use classes, 64x64 Sentinel-2 images (27k), no domains")
+def load_eurosat(params: EuroSatParams) -> DatasetSplits:
+    classes = check_known(params.classes, EUROSAT_CLASSES, "EuroSAT classes", EUROSAT_LAYOUT)
+    folder = locate_eurosat(params.root)
+    return read_folder_dataset(folder, params, EUROSAT_LAYOUT, classes=classes, domain_level=False)
+
