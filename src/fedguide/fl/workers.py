@@ -87,6 +87,10 @@ class WorkerPool:
         for t in (splits.train_x, splits.train_y):
             t.share_memory_()  # moved once; workers map the same pages
         self.weights = torch.zeros(num_weights).share_memory_()
+        train = prepared.config.train
+        # A client's cost is its number of optimiser steps; the longest go first (LPT) so that no
+        # worker starts a long client when the others are about to finish.
+        self.costs = [train.local_steps or len(idx) * train.epochs for idx in prepared.data.client_indices]
         self._mp = mp.get_context("spawn")  # fork is unsafe once torch's thread pools exist
         self.results = self._mp.Queue()
         self.procs, self.tasks = [], []
@@ -100,7 +104,7 @@ class WorkerPool:
 
     def run_round(self, round_: int, jobs: list[tuple[int, Record]], global_weights: torch.Tensor) -> list[ClientResult]:
         self.weights.copy_(global_weights)
-        pending = list(jobs)
+        pending = sorted(jobs, key=lambda job: -self.costs[job[0]])  # stable: ties keep client order
         busy: dict[int, int] = {}  # worker index -> client id
         done: dict[int, ClientResult] = {}
         while pending or busy:
