@@ -51,9 +51,13 @@ def test_list_json_names_every_registry():
     assert set(listing) >= {"methods", "datasets", "partitions", "models"}
     names = {k: {e["name"] for e in v} for k, v in listing.items()}
     assert {"fedavg", "fedprox", "local", "centralized"} <= names["methods"]
-    assert {"fmnist", "digits"} <= names["datasets"]
-    assert {"iid", "dirichlet", "shards", "nid2", "longtail"} <= names["partitions"]
-    assert {"cnn", "resnet10"} <= names["models"]
+    assert {"fmnist", "digits", "digits_domains", "cifar10", "cifar100", "tinyimagenet", "mnist", "svhn", "usps",
+            "synthdigits", "mnistm", "digit_benchmark", "imagefolder", "office_caltech10", "domainnet", "nicopp",
+            "openimage_fedcado", "openimage_feddisc", "ham10000", "eurosat", "imdb"} <= names["datasets"]
+    assert {"iid", "dirichlet", "shards", "nid2", "longtail", "domain", "feature_skew", "disjoint_classes",
+            "semi_supervised"} <= names["partitions"]
+    assert {"cnn", "resnet10", "resnet18", "resnet34", "resnet50", "mobilenetv2", "mobilenetv3_small",
+            "shufflenetv2", "vgg16_bn", "bilstm"} <= names["models"]
     assert "dw" in names["regularizers"]
 
 
