@@ -196,6 +196,74 @@ def test_imagefolder_missing_root_and_corrupt_file(tmp_path, tree):
         load("imagefolder", root=str(tree), domains=["a_dom"], classes=["Dog"])
 
 
+# ---- max_train_per_class (every image source) -----------------------------------------------------
+
+def counts(domains: torch.Tensor, labels: torch.Tensor, num_classes: int) -> list[int]:
+    return torch.bincount(domains * num_classes + labels, minlength=2 * num_classes).tolist()
+
+
+@pytest.fixture
+def uneven(tmp_path):
+    """Two domains; class a has 10 images, class b 3: the seeded split sends 2 and 1 to test."""
+    root = tmp_path / "uneven"
+    for d, dom in enumerate(["d1", "d2"]):
+        for c, (cls, n) in enumerate([("a", 10), ("b", 3)]):
+            for i in range(n):
+                write_image(root / dom / cls / f"{i:02d}.png", colour(c, d, i))
+    return root
+
+
+def test_max_train_per_class_caps_training_only(uneven):
+    full = load("imagefolder", root=str(uneven))
+    capped = load("imagefolder", root=str(uneven), max_train_per_class=4)
+    assert counts(full.train_domains, full.train_y, 2) == [8, 2, 8, 2]
+    assert counts(capped.train_domains, capped.train_y, 2) == [4, 2, 4, 2], "a group under the cap keeps all"
+    for k in ("test_x", "test_y", "test_domains"):
+        assert torch.equal(getattr(full, k), getattr(capped, k)), "the test split is untouched by the cap"
+    assert set(written(capped.train_x)) < set(written(full.train_x)), "kept images come from the training side"
+    again = load("imagefolder", root=str(uneven), max_train_per_class=4)
+    assert torch.equal(capped.train_x, again.train_x) and torch.equal(capped.train_y, again.train_y)
+    # The draw of one (domain, class) does not depend on which other domains are loaded ...
+    d2 = load("imagefolder", root=str(uneven), max_train_per_class=4, domains=["d2"])
+    assert sorted(written(d2.train_x)) == sorted(f for f in written(capped.train_x) if f[1] == 1)
+    # ... but moves with split_seed, the seed of the split, never the run's.
+    other = load("imagefolder", root=str(uneven), max_train_per_class=4, split_seed=3)
+    assert set(written(other.train_x)) != set(written(capped.train_x))
+    assert DATASETS.get("imagefolder").params().max_train_per_class is None
+
+
+def test_max_train_per_class_is_validated_and_offered_everywhere():
+    entry = DATASETS.get("imagefolder")
+    with pytest.raises(Exception, match="max_train_per_class"):
+        entry.params.model_validate({"root": "x", "max_train_per_class": 0})
+    for name in ("office_caltech10", "domainnet", "nicopp", "nicopp_unique", "openimage_feddisc", "ham10000",
+                 "eurosat"):
+        assert DATASETS.get(name).params().max_train_per_class is None, name
+    assert DATASETS.get("openimage_fedcado").params().max_train_per_class == 30
+
+
+def test_max_train_per_class_with_official_split_lists(tmp_path):
+    root = tmp_path / "dn"
+    write_tree(root, ["clipart"], ["zebra", "aircraft_carrier"], per_class=6, suffix=".jpg")
+    for split, ids in (("train", range(5)), ("test", [5])):
+        (root / f"clipart_{split}.txt").write_text("".join(
+            f"clipart/{c}/img{i}.jpg 0\n" for c in ("zebra", "aircraft_carrier") for i in ids))
+    s = load("domainnet", root=str(root), domains=["clipart"], max_train_per_class=2)
+    assert torch.bincount(s.train_y).tolist() == [2, 2]
+    assert sorted(i for _, _, i in written(s.test_x)) == [5, 5], "exactly the listed test images"
+    assert {i for _, _, i in written(s.train_x)} <= {0, 1, 2, 3, 4}
+
+
+def test_max_train_per_class_on_nicopp(tmp_path):
+    images = tmp_path / "NICO_DG"
+    write_tree(images, fp.NICO_DOMAINS, ["bear", "airplane"], per_class=5, suffix=".jpg")
+    full = load("nicopp", root=str(images))
+    capped = load("nicopp", root=str(images), max_train_per_class=3)
+    assert (len(full.train_y), len(capped.train_y)) == (48, 36)
+    assert torch.bincount(capped.train_domains * 2 + capped.train_y).tolist() == [3] * 12
+    assert torch.equal(full.test_x, capped.test_x)
+
+
 # ---- Office-Caltech-10 ---------------------------------------------------------------------------
 
 @pytest.fixture
@@ -333,6 +401,113 @@ def test_nicopp_missing_and_corrupt(tmp_path, nico):
     with pytest.raises(ConfigError) as exc:
         load("nicopp", root=str(nico))
     assert_layout_error(exc, bad)
+
+
+# ---- NICO++ unique contexts ----------------------------------------------------------------------
+
+# Written in this (unsorted) order; sorted, bear's are black, in cage, lying, roaring, sitting, wombat.
+NICO_UNIQUE = {"hot air balloon": ["in sky", "at night", "red", "above mountain", "with basket", "on ground"],
+               "bear": ["wombat", "black", "roaring", "in cage", "lying", "sitting"]}
+
+
+def write_unique(base: Path, per_context=5) -> Path:
+    """base/NICO_unique/<class>/<context>/img<i>.jpg; green encodes the context's rank in name order."""
+    root = base / "NICO_unique"
+    for c, (cls, contexts) in enumerate(sorted(NICO_UNIQUE.items())):
+        ranks = {ctx: k for k, ctx in enumerate(sorted(contexts))}
+        for ctx in contexts:
+            for i in range(per_context):
+                write_image(root / cls / ctx / f"img{i}.jpg", colour(c, ranks[ctx], i))
+    return root
+
+
+def context_rank(x: torch.Tensor) -> np.ndarray:
+    return np.array([d for _, d, _ in written(x)])
+
+
+def test_group_contexts_sorts_and_deals_round_robin():
+    contexts = NICO_UNIQUE["bear"]
+    assert fp.group_contexts(contexts, 6) == [["black"], ["in cage"], ["lying"], ["roaring"], ["sitting"],
+                                              ["wombat"]]
+    assert fp.group_contexts(contexts, 4) == [["black", "sitting"], ["in cage", "wombat"], ["lying"], ["roaring"]]
+
+
+def test_nicopp_unique_domains_are_the_kth_context_of_every_class(tmp_path):
+    write_unique(tmp_path / "NICOpp")
+    s = load("nicopp_unique", root=str(tmp_path / "NICOpp"))  # finds NICO_unique below the root
+    assert s.domain_names == [f"unique{k}" for k in range(6)] and s.class_names == ["bear", "hot air balloon"]
+    assert (len(s.train_y), len(s.test_y)) == (48, 12)  # 4 + 1 of 5 per (context, class)
+    for x, dom, y in ((s.train_x, s.train_domains, s.train_y), (s.test_x, s.test_domains, s.test_y)):
+        assert np.array_equal(context_rank(x), dom.numpy()), "unique<k> holds every class's k-th context"
+        assert np.allclose(rgb_of(x)[:, 0], 20 + 20 * y.numpy(), atol=3)
+    again = load("nicopp_unique", root=str(tmp_path / "NICOpp"))
+    assert torch.equal(s.train_x, again.train_x) and torch.equal(s.test_x, again.test_x)
+    two = load("nicopp_unique", root=str(tmp_path / "NICOpp" / "NICO_unique"), domains=["unique3", "unique0"],
+               classes=["hot air balloon"])
+    assert two.domain_names == ["unique3", "unique0"] and two.class_names == ["hot air balloon"]
+    assert np.array_equal(context_rank(two.train_x), np.where(two.train_domains.numpy() == 0, 3, 0))
+    three = load("nicopp_unique", root=str(tmp_path / "NICOpp"), num_groups=3)
+    assert three.domain_names == ["unique0", "unique1", "unique2"]
+    assert np.array_equal(context_rank(three.train_x) % 3, three.train_domains.numpy())
+    assert torch.bincount(three.train_domains * 2 + three.train_y).tolist() == [8] * 6
+    assert DATASETS.get("nicopp_unique").params().num_groups == 6
+
+
+def test_nicopp_unique_cap_and_official_lists(tmp_path):
+    root = write_unique(tmp_path / "NICOpp")
+    capped = load("nicopp_unique", root=str(root), max_train_per_class=2)
+    full = load("nicopp_unique", root=str(root))
+    assert torch.bincount(capped.train_domains * 2 + capped.train_y).tolist() == [2] * 12
+    assert torch.equal(full.test_x, capped.test_x) and torch.equal(full.test_domains, capped.test_domains)
+    lists = tmp_path / "NICOpp" / "txtlist" / "NICO_unique_official"
+    lists.mkdir(parents=True)
+    (lists / "bear_in cage_train.txt").write_text(
+        "".join(f"/data/NICOpp/NICO_unique/bear/in cage/img{i}.jpg 3\n" for i in range(3)))
+    (lists / "bear_in cage_test.txt").write_text("/data/NICOpp/NICO_unique/bear/in cage/img3.jpg 3\n")
+    s = load("nicopp_unique", root=str(tmp_path / "NICOpp"), domains=["unique1"], classes=["bear"])
+    assert sorted(i for _, _, i in written(s.train_x)) == [0, 1, 2] and written(s.test_x) == [(0, 1, 3)]
+    capped = load("nicopp_unique", root=str(tmp_path / "NICOpp"), domains=["unique1"], classes=["bear"],
+                  max_train_per_class=1)
+    assert len(capped.train_y) == 1 and written(capped.test_x) == [(0, 1, 3)]
+    (lists / "bear_in cage_test.txt").write_text("/data/NICOpp/NICO_unique/bear/lying/img3.jpg 3\n")
+    with pytest.raises(ConfigError, match="bear/lying, not bear/in cage"):
+        load("nicopp_unique", root=str(tmp_path / "NICOpp"))
+    (lists / "bear_in cage_test.txt").write_text("/data/NICOpp/NICO_unique/bear/in cage/img9.jpg 3\n")
+    with pytest.raises(ConfigError) as exc:
+        load("nicopp_unique", root=str(tmp_path / "NICOpp"))
+    assert_layout_error(exc, "img9.jpg", "bear_in cage_test.txt")
+    (lists / "bear_in cage_test.txt").write_text("/data/NICOpp/NICO_unique/bear/in cage/img3.jpg 3\n")
+    (lists / "bear_in cage_train.txt").write_text("\n")
+    with pytest.raises(ConfigError, match="lists no images"):
+        load("nicopp_unique", root=str(tmp_path / "NICOpp"))
+    (lists / "bear_in cage_test.txt").unlink()
+    with pytest.raises(ConfigError, match="partner"):
+        load("nicopp_unique", root=str(tmp_path / "NICOpp"))
+
+
+def test_nicopp_unique_missing_and_corrupt(tmp_path, nico):
+    with pytest.raises(ConfigError) as exc:
+        load("nicopp_unique", root=str(tmp_path / "none"))
+    assert_layout_error(exc, "NICO++ unique contexts not found", "<class>/<context>", "NICO_unique_official")
+    with pytest.raises(ConfigError, match="not found"):
+        load("nicopp_unique", root=str(nico))  # the common-context tree is not read as the unique one
+    root = write_unique(tmp_path / "NICOpp")
+    with pytest.raises(ConfigError, match="unique6"):
+        load("nicopp_unique", root=str(root), domains=["unique6"])
+    with pytest.raises(ConfigError, match="panda"):
+        load("nicopp_unique", root=str(root), classes=["panda"])
+    with pytest.raises(ConfigError) as exc:
+        load("nicopp_unique", root=str(root), num_groups=7)
+    assert_layout_error(exc, "fewer than num_groups", "bear")
+    bad = corrupt(root / "bear" / "roaring" / "img2.jpg")
+    with pytest.raises(ConfigError) as exc:
+        load("nicopp_unique", root=str(root))
+    assert_layout_error(exc, bad)
+    for f in (root / "bear" / "roaring").iterdir():
+        f.unlink()
+    with pytest.raises(ConfigError) as exc:
+        load("nicopp_unique", root=str(root))
+    assert_layout_error(exc, "no .jpg", root / "bear" / "roaring")
 
 
 # ---- OpenImage (FedCADO / FedDISC) -------------------------------------------------------------

@@ -17,6 +17,11 @@ Decisions, where the datasets leave a choice open:
   test side, at least one when the group has two or more and never all of them. The shuffle is seeded
   by ``split_seed`` and the group's own names, so a group's split does not change when other domains or
   classes are selected. Samples that share a ``group`` key (HAM10000's lesions) move together.
+- ``max_train_per_class`` (FedCADO's 30 images per class and client) is drawn after that split, from the
+  training side only, so the test images are the same with or without it. The draw is per (domain,
+  class), seeded by ``split_seed`` and the group's names (salted, so it is not the split's own shuffle
+  again): it is fixed independently of the run seed and of which other domains or classes are loaded.
+  A group with fewer images keeps them all.
 """
 from __future__ import annotations
 
@@ -46,6 +51,9 @@ class ImageParams(SourceParams):
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description=(
         "share of every (domain, class) sent to the test split when the dataset has no official split"))
     split_seed: int = Field(0, ge=0, description="fixes that split, independently of the run seed")
+    max_train_per_class: Optional[int] = Field(None, ge=1, description=(
+        "seeded draw (split_seed) of at most this many training images per domain and class, taken after "
+        "the test split, which it leaves untouched (FedCADO: 30); null = all"))
     mean: tuple[float, float, float] = Field(IMAGENET_MEAN, description="per-channel mean subtracted at load")
     std: tuple[float, float, float] = Field(IMAGENET_STD, description="per-channel std divided by at load")
 
@@ -179,9 +187,27 @@ def seeded_split(samples: list[Sample], test_fraction: float, seed: int) -> list
     return sides
 
 
+def cap_per_class(samples: list[Sample], cap: Optional[int], seed: int) -> list[Sample]:
+    """At most ``cap`` samples of every (domain, class), a seeded draw; the order of the kept ones is kept."""
+    if cap is None:
+        return samples
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault((s.domain or "", s.label), []).append(i)
+    keep: set[int] = set()
+    for (domain, label), idx in groups.items():
+        if len(idx) <= cap:
+            keep.update(idx)
+        else:
+            rng = group_rng(seed, domain, label, "max_train_per_class")
+            keep.update(rng.choice(idx, size=cap, replace=False).tolist())
+    return [s for i, s in enumerate(samples) if i in keep]
+
+
 def build_splits(samples: list[Sample], class_names: list[str], domain_names: Optional[list[str]],
                  params: ImageParams, layout: str) -> DatasetSplits:
-    """Decode every sample into the train and test tensors, in the order the samples are given."""
+    """Decode every sample into the train and test tensors, in the order the samples are given, after the
+    seeded split and the ``max_train_per_class`` draw from the training side."""
     if not samples:
         raise ConfigError(f"no images found. Expected layout: {layout}")
     sides = seeded_split(samples, params.test_fraction, params.split_seed)
@@ -194,6 +220,7 @@ def build_splits(samples: list[Sample], class_names: list[str], domain_names: Op
             raise ConfigError(f"the {side} split is empty; add images (at least 2 per class) or adjust "
                               f"test_fraction. Expected layout: {layout}")
         parts[side] = chosen
+    parts["train"] = cap_per_class(parts["train"], params.max_train_per_class, params.split_seed)
     out = {}
     for side, chosen in parts.items():
         out[f"{side}_x"] = images_tensor([s.path for s in chosen], params, layout)

@@ -1,7 +1,9 @@
 """Named multi-domain image datasets: each knows its domains, classes and on-disk layout.
 
 ``office_caltech10``, ``domainnet`` and ``nicopp`` are folder trees read through ``imagefolder``;
-``openimage_fedcado`` / ``openimage_feddisc``, ``ham10000`` and ``eurosat`` have their own layouts.
+``nicopp_unique``, ``openimage_fedcado`` / ``openimage_feddisc``, ``ham10000`` and ``eurosat`` have their
+own layouts. Every one takes ``max_train_per_class`` (a seeded draw of at most that many training images
+per domain and class, test images untouched; see ``_images``), FedCADO's 30 images per class and client.
 None is downloaded automatically except EuroSAT (one 90 MB zip): the others are several gigabytes or
 sit behind a registration page, so a missing dataset is a ConfigError naming where to get it and the
 layout expected. Roots are searched in data.root, $FEDGUIDE_DATA and the download folder, each as it is
@@ -17,6 +19,20 @@ Decisions where the datasets or papers are silent:
   the path, so a class selection re-numbers labels consistently. ``subset: ten`` is FedBN's 10 classes;
   ``num_classes: N`` keeps the first N in the official (alphabetical) order, as FedCADO (90) and FedDISC
   (90 / 150 / 345) do.
+- NICO++ has two tracks, two presets: ``nicopp`` (the 6 common contexts, the same for every class) and
+  ``nicopp_unique`` (every class has contexts of its own). They share neither domains, nor folder order
+  (``<domain>/<class>`` vs ``<class>/<context>``), nor split-list names, nor parameters, so one preset
+  with a ``track`` switch would give ``domains`` two meanings under one name. Source of truth for the
+  unique track: the official release as FedCADO's and FedDISC's released loaders read it,
+  ``NICO_unique/<class>/<context>/*.jpg`` with the lists
+  ``NICO_unique_official/<class>_<context>_{train,test}.txt``, taken per (class, context) when present,
+  else the seeded split. Domains: both papers make a class's six unique contexts six domains (their
+  client0..client5) without saying which context of one class shares a domain with which of another.
+  Here a class's contexts are sorted by name and the k-th joins domain ``unique<k>``: the order both papers
+  list them in (FedDISC: bear = "black, in cage, lying, roaring, sitting, wombat"; FedCADO Fig. 9's
+  columns) and the one the authors' released loaders deal them in. ``num_groups`` K deals a class's
+  contexts round-robin (context i to group i mod K), for trees with more contexts than groups; every
+  class needs at least K.
 - OpenImage (FedCADO Table 5, which states it follows FedDISC's partition; FedDISC's own text defers the
   list to a supplement that is not part of the paper, and both authors' released loaders use this same
   table): labels are the 20 super-categories, domain ``client<k>`` holds the k-th fine-grained subclass of
@@ -41,12 +57,12 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Iterator, Literal, Optional
 
 from pydantic import Field
 
 from fedguide.data.sources._images import (ImageParams, Sample, build_splits, check_known, find_root,
-                                           group_rng, list_images, sort_key)
+                                           list_images, sort_key, sorted_names, subfolders)
 from fedguide.data.sources.base import DATASETS, DatasetSplits, download_dir, download_file, offline
 from fedguide.data.sources.imagefolder import read_folder_dataset, read_tree, resolve_classes
 from fedguide.registry import ConfigError
@@ -91,23 +107,25 @@ def load_office_caltech10(params: DomainParams) -> DatasetSplits:
 
 # ---- split lists (DomainNet, NICO++) ------------------------------------------------------------
 
-def split_lists(split_dirs: list[Path], domain: str) -> Optional[dict[str, Path]]:
-    """``<domain>_train.txt`` and ``<domain>_test.txt`` from the first folder holding either."""
+def split_lists(split_dirs: list[Path], stem: str) -> Optional[dict[str, Path]]:
+    """``<stem>_train.txt`` and ``<stem>_test.txt`` from the first folder holding either."""
     for folder in split_dirs:
-        found = {s: folder / f"{domain}_{s}.txt" for s in ("train", "test")}
+        found = {s: folder / f"{stem}_{s}.txt" for s in ("train", "test")}
         present = [p for p in found.values() if p.is_file()]
         if len(present) == 2:
             return found
         if present:
-            raise ConfigError(f"{present[0]} has no partner {domain}_{{train,test}}.txt beside it; add it or "
+            raise ConfigError(f"{present[0]} has no partner {stem}_{{train,test}}.txt beside it; add it or "
                               "remove both to fall back to the seeded split")
     return None
 
 
-def read_split_list(path: Path, image_root: Path, domain: str, split: str, classes: set[str],
-                    layout: str) -> list[Sample]:
-    """Lines '<...>/<domain>/<class>/<file> <label>'; the path's last three parts locate the image."""
-    samples = []
+def list_entries(path: Path, form: str) -> Iterator[tuple[int, tuple[str, str, str]]]:
+    """(line number, the path's last three parts) of every line '<...>/<a>/<b>/<file> <label>'.
+
+    The numeric label is ignored: the class comes from the path, so a class selection re-numbers labels
+    consistently. ``form`` names the two folder levels for the error message.
+    """
     with open(path, encoding="utf-8") as fh:
         for n, line in enumerate(fh, 1):
             line = line.strip()
@@ -116,16 +134,23 @@ def read_split_list(path: Path, image_root: Path, domain: str, split: str, class
             rel, _, label = line.rpartition(" ")
             parts = Path(rel.replace("\\", "/")).parts
             if len(parts) < 3 or not label.lstrip("-").isdigit():
-                raise ConfigError(f"{path} line {n} is not '<domain>/<class>/<file> <label>': {line!r}")
-            dom, cls, name = parts[-3:]
-            if dom != domain:
-                raise ConfigError(f"{path} line {n} names domain {dom!r}, not {domain!r}")
-            if cls not in classes:
-                continue
-            image = image_root / dom / cls / name
-            if not image.is_file():
-                raise ConfigError(f"{image} is listed in {path} line {n} but missing. Expected layout: {layout}")
-            samples.append(Sample(image, cls, dom, split))
+                raise ConfigError(f"{path} line {n} is not '{form} <label>': {line!r}")
+            yield n, parts[-3:]
+
+
+def read_split_list(path: Path, image_root: Path, domain: str, split: str, classes: set[str],
+                    layout: str) -> list[Sample]:
+    """Lines '<...>/<domain>/<class>/<file> <label>'; the path's last three parts locate the image."""
+    samples = []
+    for n, (dom, cls, name) in list_entries(path, "<domain>/<class>/<file>"):
+        if dom != domain:
+            raise ConfigError(f"{path} line {n} names domain {dom!r}, not {domain!r}")
+        if cls not in classes:
+            continue
+        image = image_root / dom / cls / name
+        if not image.is_file():
+            raise ConfigError(f"{image} is listed in {path} line {n} but missing. Expected layout: {layout}")
+        samples.append(Sample(image, cls, dom, split))
     return samples
 
 
@@ -210,6 +235,101 @@ def load_nicopp(params: DomainParams) -> DatasetSplits:
     return read_listed_tree(root, split_dirs, params, NICO_LAYOUT, domains, params.classes)
 
 
+# ---- NICO++ unique contexts ------------------------------------------------------------------------
+
+NICO_UNIQUE_GROUPS = 6  # contexts per class in the released unique track, one per client in both papers
+NICO_RELEASE_FOLDERS = ("NICO_unique", "NICO_DG", "NICO_DG_official", "NICO_unique_official", "txtlist")
+NICO_UNIQUE_LAYOUT = ("root/<class>/<context>/*.jpg, each class with its own unique contexts (NICO_unique of "
+                      "the official release, six contexts per class), optionally with the official split lists "
+                      "<class>_<context>_{train,test}.txt (lines '<...>/<class>/<context>/<file> <label>') in root, "
+                      "root/../NICO_unique_official or root/../txtlist/NICO_unique_official")
+
+
+class NicoUniqueParams(DomainParams):
+    domains: Optional[list[str]] = Field(None, description=(
+        "context groups to read, in this order: unique0 .. unique<num_groups - 1> (default: all)"))
+    num_groups: int = Field(NICO_UNIQUE_GROUPS, ge=1, description=(
+        "domains formed from the contexts: a class's contexts, sorted by name, go round-robin to unique0, "
+        "unique1, ...; 6 (the papers): group k is the k-th context of every class"))
+
+
+def unique_group_names(num_groups: int) -> list[str]:
+    return [f"unique{k}" for k in range(num_groups)]
+
+
+def group_contexts(contexts: list[str], num_groups: int) -> list[list[str]]:
+    """A class's contexts dealt to ``num_groups`` groups: the i-th in name order goes to group i mod K."""
+    ordered = sorted_names(contexts)
+    return [ordered[k::num_groups] for k in range(num_groups)]
+
+
+def looks_like_unique_tree(folder: Path) -> bool:
+    """Class folders holding context folders; neither the release's parent folder nor the common tree."""
+    names = subfolders(folder)
+    if not names or set(names) & set(NICO_RELEASE_FOLDERS) or set(NICO_DOMAINS) <= set(names):
+        return False
+    return bool(subfolders(folder / names[0]))
+
+
+def read_unique_list(path: Path, root: Path, cls: str, context: str, group: str, split: str) -> list[Sample]:
+    samples = []
+    for n, (c, ctx, name) in list_entries(path, "<class>/<context>/<file>"):
+        if (c, ctx) != (cls, context):
+            raise ConfigError(f"{path} line {n} names {c}/{ctx}, not {cls}/{context}: a list named "
+                              "<class>_<context>_<split>.txt lists that class and context only")
+        image = root / c / ctx / name
+        if not image.is_file():
+            raise ConfigError(f"{image} is listed in {path} line {n} but missing. Expected layout: "
+                              f"{NICO_UNIQUE_LAYOUT}")
+        samples.append(Sample(image, cls, group, split))
+    return samples
+
+
+def read_unique_context(root: Path, split_dirs: list[Path], cls: str, context: str, group: str) -> list[Sample]:
+    """One class's images in one of its contexts: the official split lists when present, else the folder."""
+    lists = split_lists(split_dirs, f"{cls}_{context}")
+    if lists is None:
+        files = list_images(root / cls / context)
+        if not files:
+            raise ConfigError(f"{root / cls / context} holds no .jpg/.jpeg/.png/.bmp images. "
+                              f"Expected layout: {NICO_UNIQUE_LAYOUT}")
+        return [Sample(p, cls, group) for p in files]
+    samples = [s for split, path in lists.items() for s in read_unique_list(path, root, cls, context, group, split)]
+    if not any(s.split == "train" for s in samples):
+        raise ConfigError(f"{lists['train']} lists no images. Expected layout: {NICO_UNIQUE_LAYOUT}")
+    return samples
+
+
+@DATASETS.register("nicopp_unique", params=NicoUniqueParams,
+                   summary="NICO++ unique contexts: 60 classes, each with its own 6 contexts; "
+                           "domain unique<k> = every class's k-th context")
+def load_nicopp_unique(params: NicoUniqueParams) -> DatasetSplits:
+    names = unique_group_names(params.num_groups)
+    domains = check_known(params.domains, names, "NICO++ unique-context groups", NICO_UNIQUE_LAYOUT)
+    root, looked = find_root(params.root, "nicopp", ("NICO_unique", "nicopp", "nicopp/NICO_unique"),
+                             looks_like_unique_tree)
+    if root is None:
+        raise not_found("NICO++ unique contexts", looked, f"Request NICO++ via {NICO_PAGE}.", NICO_UNIQUE_LAYOUT)
+    classes = check_known(params.classes, subfolders(root), f"class folders of {root}", NICO_UNIQUE_LAYOUT)
+    split_dirs = [root, root.parent / "NICO_unique_official", root.parent / "txtlist" / "NICO_unique_official"]
+    samples = []
+    for cls in classes:
+        contexts = subfolders(root / cls)
+        if len(contexts) < params.num_groups:
+            raise ConfigError(f"{root / cls} has {len(contexts)} context folders {contexts}, fewer than num_groups "
+                              f"= {params.num_groups}; every group needs a context of every class, so lower "
+                              f"num_groups. Expected layout: {NICO_UNIQUE_LAYOUT}")
+        for group, group_ctx in zip(names, group_contexts(contexts, params.num_groups)):
+            if group in domains:
+                for ctx in group_ctx:
+                    samples += read_unique_context(root, split_dirs, cls, ctx, group)
+    d_rank = {d: i for i, d in enumerate(domains)}
+    c_rank = {c: i for i, c in enumerate(classes)}
+    samples.sort(key=lambda s: (d_rank[s.domain], c_rank[s.label], sort_key(s.path.parent.name),
+                                sort_key(s.path.name)))
+    return build_splits(samples, classes, domains, params, NICO_UNIQUE_LAYOUT)
+
+
 # ---- OpenImage super-categories (FedCADO / FedDISC) --------------------------------------------
 
 # Super-category -> its fine-grained subclass in client0 .. client5 (FedCADO Table 5).
@@ -247,11 +367,6 @@ OPENIMAGE_LAYOUT = ("root/{train,test}/labels/classifications.csv (columns Image
 class OpenImageParams(DomainParams):
     max_train_per_class: Optional[int] = Field(30, ge=1, description=(
         "seeded draw of at most this many training images per client and class (FedCADO: 30); null = all"))
-
-
-class OpenImageFedDiscParams(OpenImageParams):
-    max_train_per_class: Optional[int] = Field(None, ge=1, description=(
-        "seeded draw of at most this many training images per client and class; null = all"))
 
 
 def read_class_ids(path: Path) -> dict[str, set[str]]:
@@ -314,20 +429,7 @@ def read_openimage_split(folder: Path, split: str, domains: list[str], classes: 
     return samples
 
 
-def cap_per_class(samples: list[Sample], cap: Optional[int], seed: int) -> list[Sample]:
-    if cap is None:
-        return samples
-    groups: dict[tuple, list[int]] = {}
-    for i, s in enumerate(samples):
-        groups.setdefault((s.domain, s.label), []).append(i)
-    keep = set()
-    for key, idx in groups.items():
-        rng = group_rng(seed, *key)
-        keep.update(idx if len(idx) <= cap else rng.choice(idx, size=cap, replace=False).tolist())
-    return [s for i, s in enumerate(samples) if i in keep]
-
-
-def load_openimage(params: OpenImageParams) -> DatasetSplits:
+def load_openimage(params: DomainParams) -> DatasetSplits:
     domains = check_known(params.domains, OPENIMAGE_DOMAINS, "OpenImage clients", OPENIMAGE_LAYOUT)
     classes = check_known(params.classes, OPENIMAGE_CLASSES, "OpenImage super-categories", OPENIMAGE_LAYOUT)
     root, looked = find_root(params.root, "openimage", ("openimage", "open-images-v7", "open-images-v6"),
@@ -335,8 +437,7 @@ def load_openimage(params: OpenImageParams) -> DatasetSplits:
     if root is None:
         raise not_found("Open Images", looked, "Download the train and test splits of the 120 subclasses with "
                         "FiftyOne (https://storage.googleapis.com/openimages/web/download.html).", OPENIMAGE_LAYOUT)
-    train = cap_per_class(read_openimage_split(root / "train", "train", domains, classes),
-                          params.max_train_per_class, params.split_seed)
+    train = read_openimage_split(root / "train", "train", domains, classes)  # capped in build_splits
     test = read_openimage_split(root / "test", "test", domains, classes)
     have = {(s.domain, s.label) for s in train}
     for d in domains:
@@ -353,7 +454,7 @@ def load_openimage(params: OpenImageParams) -> DatasetSplits:
 DATASETS.register("openimage_fedcado", params=OpenImageParams,
                   summary="OpenImage as in FedCADO: 20 super-categories, 6 clients = 6 subclasses each, "
                           "30 train images per class")(load_openimage)
-DATASETS.register("openimage_feddisc", params=OpenImageFedDiscParams,
+DATASETS.register("openimage_feddisc", params=DomainParams,
                   summary="OpenImage as in FedDISC: 20 super-categories, 6 domains = 6 subclasses each")(load_openimage)
 
 

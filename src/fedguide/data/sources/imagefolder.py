@@ -14,6 +14,10 @@ selected domain, since a missing one there usually means a wrong root. An empty 
 error, not a silent zero. Files with other suffixes (thumbnails' databases, notes) are ignored. Samples
 are ordered by domain, class and file name, so two runs give identical tensors.
 
+``max_train_per_class`` (shared by every image source, see ``_images``) keeps a seeded draw of at most
+that many training images per domain and class, after the split: FedCADO's 30 images per class and
+client on any folder tree.
+
 Everything is held in memory as float32 [N, 3, S, S] with S = ``image_size`` (default 32): DomainNet's
 ~590k images take ~7 GB at 32 but ~350 GB at 224, which does not fit in memory — hence the small default.
 """
