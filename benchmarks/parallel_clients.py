@@ -69,6 +69,8 @@ def main() -> None:
             flower = flower_rounds(CONFIG, base, actors=cores)
         except ImportError as err:
             print(f"flower: not measured ({err}); pip install 'flwr[simulation]' to include it")
+        except Exception as err:  # a Flower failure must not discard the fedguide numbers above
+            print(f"flower: failed ({type(err).__name__}: {err})")
 
     def show(name, ts):
         print(f"{name:<34} per round {[round(t, 2) for t in ts]}  median {statistics.median(ts):.2f} s")
