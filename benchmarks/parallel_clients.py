@@ -4,7 +4,9 @@ The FedAvg Fashion-MNIST Dirichlet(0.1) workload of configs/fmnist_dir0.1.yaml f
 measured in one run:
   floor    the same SGD steps in a bare single-process loop with every core as intra-op threads;
   w1       fedguide with runtime.workers=1 (in-process clients, every core as threads);
-  auto     fedguide with runtime.workers=auto (a pool of worker processes);
+  auto     fedguide with runtime.workers=auto (in-process on 2 cores or fewer, else a pool);
+  pool     fedguide with one single-thread worker process per core (measured even where auto
+           does not choose it);
   flower   Flower's simulation engine with the same model and data at its fastest setting
            (one single-thread actor per core), where flwr[simulation] is installed.
 Round 1 of every variant is a warm-up and is excluded. Times are the training part of a round
@@ -60,6 +62,7 @@ def main() -> None:
     auto, info = fedguide_rounds(base + [f"runtime.workers={args.workers}"])
     s = info["summary"]
     w1, _ = fedguide_rounds(base + ["runtime.workers=1", f"runtime.threads_per_worker={cores}"])
+    pool, _ = fedguide_rounds(base + [f"runtime.workers={cores}", "runtime.threads_per_worker=1"])
     floor = floor_rounds(info["prepared"], info["rows"], cores)
     flower = None
     if not args.no_flower:
@@ -78,11 +81,13 @@ def main() -> None:
     print(f"workload: {CONFIG.name} {' '.join(base)}; {cores} cores; timed rounds 2..{args.rounds}")
     show(f"floor (1 process, {cores} threads)", floor)
     show(f"fedguide workers=1 ({cores} threads)", w1)
-    show(f"fedguide workers={s['workers']} ({s['threads_per_worker']} thr each)", auto)
+    show(f"fedguide workers={args.workers} -> {s['workers']} x {s['threads_per_worker']} thr", auto)
+    show(f"fedguide pool ({cores} workers x 1 thr)", pool)
     if flower:
         show(f"flower simulation ({cores} actors x 1 thr)", flower)
     m = statistics.median
-    print(f"speed-up of workers={s['workers']} over workers=1: {m(w1) / m(auto):.3f}x")
+    print(f"speed-up of the pool over workers=1: {m(w1) / m(pool):.3f}x; "
+          f"pool / floor {m(pool) / m(floor):.4f}; pool / flower {(m(pool) / m(flower)) if flower else float('nan'):.4f}")
     print(f"ratio_vs_floor={m(auto) / m(floor):.4f} "
           f"ratio_vs_flower={(m(auto) / m(flower)) if flower else float('nan'):.4f}")
 

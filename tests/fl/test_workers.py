@@ -94,7 +94,8 @@ def test_a_killed_worker_stops_the_run_with_the_client_named_and_leaves_no_orpha
 
 
 def test_auto_picks_processes_from_cores_and_model_size():
-    assert auto_workers(cores=2, per_round=10, num_params=600_000) == (2, 1)
+    assert auto_workers(cores=2, per_round=10, num_params=600_000) == (1, 2)  # in-process wins on 2 cores
+    assert auto_workers(cores=4, per_round=10, num_params=600_000) == (4, 1)
     assert auto_workers(cores=16, per_round=10, num_params=600_000) == (10, 1)
     assert auto_workers(cores=16, per_round=10, num_params=20_000_000) == (8, 2)
     assert auto_workers(cores=1, per_round=10, num_params=600_000) == (1, 1)

@@ -38,10 +38,15 @@ class WorkerCrashed(RuntimeError):
 def auto_workers(cores: int, per_round: int, num_params: int) -> tuple[int, int]:
     """(workers, threads per worker) from the core count and the model size.
 
-    Models under ~5 M parameters barely profit from intra-op threads, so they get one thread per
-    process and as many processes as cores (never more than the clients of a round); larger models
-    get two threads each.
+    With two cores or fewer the clients train in the server process on every core: there, two
+    single-thread processes trained the FMNIST CNN 1.19× slower than one two-thread process
+    (benchmarks/results/parallel_clients.txt), a pool's processes slowing each other down by about
+    a fifth. Above that, models under ~5 M parameters, which profit little from intra-op threads,
+    get one thread per process and as many processes as cores (never more than the clients of a
+    round); larger models get two threads each.
     """
+    if cores <= 2:
+        return 1, max(1, cores)
     threads = 1 if num_params < 5_000_000 else 2
     workers = max(1, min(per_round, cores // threads))
     return workers, threads
