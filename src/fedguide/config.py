@@ -46,8 +46,8 @@ class ClientsConfig(Strict):
 
 class RuntimeConfig(Strict):
     name: Literal["local"] = "local"
-    # Default 1: on a 2-core machine the FMNIST CNN trained slower in a 2-process pool (6.6 s a round,
-    # one thread each) than in-process with 2 threads (about 4 s); see README "Parallel clients".
+    # Default 1: on a 2-core machine the FMNIST CNN trained a round slower in a 2-process pool (13.5 s,
+    # one thread each) than in-process with 2 threads (11.4 s); see README "Parallel clients".
     workers: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
         1, description="processes training the clients of a round; 1 = in the server process; auto")
     threads_per_worker: Optional[int] = Field(
