@@ -4,8 +4,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +110,19 @@ def test_auto_picks_processes_from_cores_and_model_size():
         assert resolve_workers(RuntimeConfig(workers=1), per_round=4, num_params=10, cores=8) == (1, DEFAULT_THREADS)
     finally:
         torch.set_num_threads(DEFAULT_THREADS)
+
+
+def test_a_script_without_main_guard_fails_clearly_instead_of_hanging(tmp_path):
+    # spawn re-imports the script in each worker, where starting another pool fails at once
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        "from tiny import tiny_config\n"
+        "from fedguide.fl.engine import Experiment, prepare\n"
+        "cfg = tiny_config(runtime={'workers': 2, 'threads_per_worker': 1}, train={'rounds': 1})\n"
+        f"Experiment(prepare(cfg), {str(tmp_path / 'run')!r}, log=lambda s: None).run()\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "FEDGUIDE_OFFLINE": "1"})
+    assert proc.returncode != 0
+    assert "WorkerCrashed" in proc.stderr and "__main__" in proc.stderr

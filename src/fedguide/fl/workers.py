@@ -60,8 +60,25 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker(prepared, run_dir: str, threads: int, weights: torch.Tensor, tasks, results, parent: int) -> None:
+def _next(tasks, parent: int) -> Any:
+    """The next message, or None when told to stop or when the server is gone."""
+    while True:
+        try:
+            return tasks.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            if os.getppid() != parent:  # the server is gone (non-Linux fallback of the death signal)
+                return None
+
+
+def _worker(weights: torch.Tensor, tasks, results, parent: int) -> None:
     _die_with_parent()
+    # The run itself comes as the first message, not as a Process argument: a Queue is fed by a
+    # background thread, whereas a child dying at start-up (a script without a __main__ guard
+    # re-imported by spawn) would leave the server blocked writing the arguments into its pipe.
+    start = _next(tasks, parent)
+    if start is None:
+        return
+    prepared, run_dir, threads = start
     torch.set_num_threads(threads)
     from fedguide.fl.engine import Experiment
 
@@ -69,12 +86,7 @@ def _worker(prepared, run_dir: str, threads: int, weights: torch.Tensor, tasks, 
     method.setup()
     cfg = prepared.config
     while True:
-        try:
-            job = tasks.get(timeout=POLL_SECONDS)
-        except queue.Empty:
-            if os.getppid() != parent:  # the server is gone (non-Linux fallback of the death signal)
-                return
-            continue
+        job = _next(tasks, parent)
         if job is None:
             return
         round_, client_id, payload = job
@@ -101,9 +113,9 @@ class WorkerPool:
         self.procs, self.tasks = [], []
         for _ in range(workers):
             q = self._mp.Queue()
-            p = self._mp.Process(target=_worker, daemon=True,
-                                 args=(prepared, str(run_dir), threads, self.weights, q, self.results, os.getpid()))
+            p = self._mp.Process(target=_worker, daemon=True, args=(self.weights, q, self.results, os.getpid()))
             p.start()
+            q.put((prepared, str(run_dir), threads))
             self.procs.append(p)
             self.tasks.append(q)
 
@@ -141,8 +153,10 @@ class WorkerPool:
                 why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                 doing = f"while training client {busy[w]}" if w in busy else "while idle"
                 self.close()
+                hint = ("" if w in busy else "; if fedguide was started from a Python script, run it under "
+                        "`if __name__ == \"__main__\":` (worker processes re-import the script)")
                 raise WorkerCrashed(f"worker process {p.pid} died ({why}) {doing} in round {round_}; "
-                                    "the run stopped at the last completed round")
+                                    f"the run stopped at the last completed round{hint}")
 
     def close(self) -> None:
         for q in self.tasks:
