@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fedguide.data.sources import DATASETS
+from fedguide.data.sources import DATASETS, _files
 from fedguide.data.sources import folder_presets as fp
 from fedguide.data.sources import imdb
 from fedguide.data.sources._images import IMAGENET_MEAN, IMAGENET_STD
@@ -30,8 +30,7 @@ def isolated(monkeypatch, tmp_path):
     def no_download(*a, **k):
         raise AssertionError("download attempted although FEDGUIDE_OFFLINE=1")
 
-    monkeypatch.setattr(fp, "download_file", no_download)
-    monkeypatch.setattr(imdb, "download_file", no_download)
+    monkeypatch.setattr(_files, "download_file", no_download)
 
 
 def load(name, **params):
@@ -731,3 +730,51 @@ def test_imdb_missing_offline_and_corrupt(tmp_path):
     with pytest.raises(ConfigError) as exc:
         load("imdb", root=str(acl))
     assert_layout_error(exc, acl / "test" / "pos")
+
+
+# ---- downloads (through the shared fetchers) -------------------------------------------------------
+
+def fake_download(monkeypatch, payload: bytes, urls: list):
+    def download(url, dest, timeout=30.0):
+        urls.append(url)
+        dest.write_bytes(payload)
+        return dest
+
+    monkeypatch.setenv("FEDGUIDE_OFFLINE", "0")
+    monkeypatch.setattr(_files, "download_file", download)
+
+
+def test_imdb_download_is_unpacked_into_the_download_folder_and_found_offline_afterwards(tmp_path, monkeypatch):
+    import io
+    import tarfile
+
+    acl = write_imdb(tmp_path / "src")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        tar.add(acl, arcname="aclImdb")
+    urls = []
+    fake_download(monkeypatch, buf.getvalue(), urls)
+    s = load("imdb", root=str(tmp_path / "none"), max_len=4)
+    assert urls == [imdb.URL] and s.train_y.tolist() == [0, 0, 1, 1]
+    target = tmp_path / "data-home" / "imdb"
+    assert (target / "aclImdb" / "test" / "pos").is_dir() and not (target / "aclImdb_v1.tar.gz").exists()
+    monkeypatch.setenv("FEDGUIDE_OFFLINE", "1")
+    assert load("imdb", root=str(tmp_path / "none"), max_len=4).test_y.tolist() == [0, 0, 1, 1]
+
+
+def test_eurosat_download_is_unpacked_and_a_broken_one_names_the_url(tmp_path, monkeypatch):
+    src = write_tree(tmp_path / "src" / "2750", [""], fp.EUROSAT_CLASSES, per_class=2, suffix=".jpg")
+    archive = tmp_path / "EuroSAT.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for p in src:
+            zf.write(p, p.relative_to(tmp_path / "src").as_posix())
+    urls = []
+    fake_download(monkeypatch, b"not a zip", urls)
+    with pytest.raises(ConfigError) as exc:
+        load("eurosat", root=str(tmp_path / "none"))
+    assert_layout_error(exc, "EuroSAT not found", fp.EUROSAT_URL)
+    assert not (tmp_path / "data-home" / "eurosat" / "EuroSAT.zip").exists(), "a broken download is not kept"
+    fake_download(monkeypatch, archive.read_bytes(), urls)
+    s = load("eurosat", root=str(tmp_path / "none"), classes=["Forest"])
+    assert urls == [fp.EUROSAT_URL] * 2 and s.class_names == ["Forest"]
+    assert (tmp_path / "data-home" / "eurosat" / "2750" / "Forest").is_dir()

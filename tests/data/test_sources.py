@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedguide.data.sources import DATASETS, SourceParams
+from fedguide.data.sources import DATASETS, SourceParams, _files
 from fedguide.data.sources import fmnist as fm
 from fedguide.data.sources.digits import load_digits
 from fedguide.data.sources.fmnist import CLASS_NAMES, MEAN, STD, load_fmnist, read_idx
@@ -49,8 +49,9 @@ def write_dataset(folder: Path, arrays, gz: bool) -> dict:
 
 @pytest.fixture
 def no_other_sources(monkeypatch, tmp_path):
-    """Only what a test writes is found: no FEDGUIDE_DATA, no system folder, no downloads."""
+    """Only what a test writes is found: no FEDGUIDE_DATA, no system or download folder, no downloads."""
     monkeypatch.delenv("FEDGUIDE_DATA", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the download folder, searched too, lies under it
     monkeypatch.setenv("FEDGUIDE_OFFLINE", "1")
     monkeypatch.setattr(fm, "SYSTEM_DIR", str(tmp_path / "no-such-system-dir"))
 
@@ -203,7 +204,7 @@ def test_missing_everywhere_offline(tmp_path, monkeypatch):
     def no_download(*a, **k):  # belt and braces: the test must never touch the network
         raise AssertionError("download attempted although FEDGUIDE_OFFLINE=1")
 
-    monkeypatch.setattr(fm, "download", no_download)
+    monkeypatch.setattr(_files, "download_file", no_download)
     with pytest.raises(ConfigError) as exc:
         load_fmnist(SourceParams(root=str(root)))
     msg = str(exc.value)

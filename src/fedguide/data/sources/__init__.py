@@ -2,7 +2,9 @@
 import importlib
 import pkgutil
 
-from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams  # noqa: F401  (the package's API)
+from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams
+
+__all__ = ["DATASETS", "DatasetSplits", "SourceParams"]  # the package's API
 
 # A new module in this folder is registered without touching this file.
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):

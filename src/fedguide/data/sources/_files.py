@@ -1,16 +1,20 @@
-"""Helpers shared by the benchmark sources that read a dataset's own distribution files.
+"""Finding, fetching and opening a dataset's own files: the machinery every file-based source shares.
 
-What they share: where to look (data.root, then $FEDGUIDE_DATA, then the download folder, each with
-the sub-folders a dataset is commonly unpacked to), the download as a last resort, one wording for
-"not found" and "corrupt" errors that names the expected layout, safe unpacking of archives, a
-pickle reader that accepts only plain data and numpy arrays, and per-channel normalisation.
+What it holds: where to look (data.root, then $FEDGUIDE_DATA, then any system folder a source names, then
+the download folder, each with the sub-folders a dataset is commonly unpacked to), the download as a last
+resort, the one wording of "not found" (where it looked, why no download helped, how to get the data, the
+layout expected) and of "corrupt" errors, safe unpacking of archives, a pickle reader that accepts only
+plain data and numpy arrays, and the checks of labels and lengths read from such files.
 
 Decisions:
 - A loader's sub-folders are tried in the order it lists them, all of them for one base before the next
   base, so data.root always wins over $FEDGUIDE_DATA.
 - Downloads land in ``download_dir(name)``, which is also searched, so the next run finds them offline.
-- Archives are unpacked into a hidden staging folder and moved into place only when complete, so an
-  interrupted unpack never leaves a half dataset; members with absolute paths, ``..`` or links are refused.
+- FEDGUIDE_OFFLINE=1 is checked before anything is fetched or a download folder created; an archive that
+  already lies in a searched folder may still be unpacked (that needs no network).
+- Downloads are written to a temporary file beside their destination and renamed when complete, and
+  archives are unpacked into a hidden staging folder and moved into place only when complete, so an
+  interrupted run never leaves a half dataset; members with absolute paths, ``..`` or links are refused.
 - Pickles can run code when loaded; the datasets that ship as pickles hold only dicts, lists, strings and
   numpy arrays, so any other global in the stream is refused. ``latin1`` decodes Python 2 pickles
   (CIFAR) the way numpy expects.
@@ -26,44 +30,49 @@ import tempfile
 import warnings
 import zipfile
 import zlib
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
 
-from fedguide.data.sources.base import (DatasetSplits, candidate_roots, download_dir, download_file, normalise,
-                                        offline)
 from fedguide.registry import ConfigError
 
 T = TypeVar("T")
+Probe = Callable[[Path], Optional[T]]
 # Failures of a download or an unpack that mean "fetching did not work", not a bug.
 FETCH_ERRORS = (OSError, EOFError, zlib.error, tarfile.TarError, zipfile.BadZipFile)
+OFFLINE_REASON = "downloads disabled by FEDGUIDE_OFFLINE=1"
 
 
-@dataclass
-class RawImages:
-    """A dataset before normalisation: uint8 [N, C, H, W] images and int64 labels."""
+# ---- where to look -------------------------------------------------------------------------------
 
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-    class_names: list[str]
+def offline() -> bool:
+    """Downloads are off when FEDGUIDE_OFFLINE=1 (tests and air-gapped machines set it)."""
+    return os.environ.get("FEDGUIDE_OFFLINE") == "1"
 
 
-def search_bases(root: Optional[str], name: str) -> list[Path]:
-    bases = candidate_roots(root, "FEDGUIDE_DATA") + [download_dir(name)]
+def download_dir(name: str) -> Path:
+    """Where downloads of dataset ``name`` go: $FEDGUIDE_DATA/<name> or ~/.cache/fedguide/<name>."""
+    base = os.environ.get("FEDGUIDE_DATA") or os.path.join(os.path.expanduser("~"), ".cache", "fedguide")
+    return Path(base) / name
+
+
+def search_bases(root: Optional[str], name: str, system_dirs: Sequence[str] = ()) -> list[Path]:
+    """Where to look, in order and without repeats: data.root, $FEDGUIDE_DATA, system folders, the download folder."""
+    bases = [Path(root).expanduser()] if root else []
+    if os.environ.get("FEDGUIDE_DATA"):
+        bases.append(Path(os.environ["FEDGUIDE_DATA"]).expanduser())
+    bases += [Path(d) for d in system_dirs] + [download_dir(name)]
     return list(dict.fromkeys(bases))
 
 
-def search_folders(root: Optional[str], name: str, subfolders: Sequence[str]) -> list[Path]:
+def search_folders(bases: Sequence[Path], subfolders: Sequence[str]) -> list[Path]:
     """Every base joined with every sub-folder ("" is the base itself), in search order, without repeats."""
-    return list(dict.fromkeys(base / sub if sub else base for base in search_bases(root, name) for sub in subfolders))
+    return list(dict.fromkeys(base / sub if sub else base for base in bases for sub in subfolders))
 
 
-def first_found(folders: Sequence[Path], probe: Callable[[Path], Optional[T]]) -> Optional[T]:
+def first_found(folders: Sequence[Path], probe: Probe[T]) -> Optional[T]:
     for folder in folders:
         if folder.is_dir():
             hit = probe(folder)
@@ -72,44 +81,72 @@ def first_found(folders: Sequence[Path], probe: Callable[[Path], Optional[T]]) -
     return None
 
 
-def not_found(title: str, root: Optional[str], name: str, layout: str, url: Optional[str],
-              reason: str = "") -> ConfigError:
-    looked = ", ".join(str(p) for p in search_bases(root, name))
-    if url:
-        why = f"and the download from {url} failed ({reason})"
-    else:
-        why = "and it has no official download"
-    return ConfigError(f"{title} not found (looked in {looked}) {why}. "
-                       f"Fix: set data.root or FEDGUIDE_DATA to a folder holding {layout}.")
+def has_paths(files: Sequence[str] = (), dirs: Sequence[str] = ()) -> Probe[Path]:
+    """A probe that accepts a folder holding all these files and sub-folders (paths relative to it)."""
+    def probe(folder: Path) -> Optional[Path]:
+        ok = all((folder / f).is_file() for f in files) and all((folder / d).is_dir() for d in dirs)
+        return folder if ok else None
+    return probe
 
 
-def corrupt(path: Path, title: str, layout: str, detail: Any) -> ConfigError:
-    return ConfigError(f"{path} is not readable as {title} data ({detail}); re-download it. "
-                       f"Expected layout: {layout}.")
+def not_found(title: str, bases: Sequence[Path], subfolders: Sequence[str], layout: str,
+              url: Optional[str] = None, reason: str = "", how: str = "") -> ConfigError:
+    """The one "not found" error: where it looked, why the download did not help, how to get it, the layout."""
+    where = ", ".join(str(b) for b in bases)
+    if any(subfolders):
+        where += "; in each, " + ", ".join(f"{s}/" if s else "the folder itself" for s in subfolders)
+    failed = f" and the download from {url} failed ({reason})" if url else ""
+    return ConfigError(f"{title} not found (looked in {where}){failed}. {how + ' ' if how else ''}"
+                       f"Set data.root (or FEDGUIDE_DATA) to the folder holding it. Expected layout: {layout}")
 
 
-def find_or_fetch(title: str, root: Optional[str], name: str, subfolders: Sequence[str],
-                  probe: Callable[[Path], Optional[T]], layout: str,
-                  url: Optional[str] = None, fetch: Optional[Callable[[Path], None]] = None) -> T:
-    """The first folder ``probe`` accepts; failing that, ``fetch`` into the download folder and probe there."""
-    hit = first_found(search_folders(root, name, subfolders), probe)
+def find_or_fetch(title: str, root: Optional[str], name: str, subfolders: Sequence[str], probe: Probe[T],
+                  layout: str, url: Optional[str] = None, fetch: Optional[Callable[[Path], None]] = None,
+                  how: str = "", system_dirs: Sequence[str] = ()) -> T:
+    """The first searched folder ``probe`` accepts; failing that, ``fetch`` into the download folder and
+    probe there; failing that, the standard "not found" error (``how`` says where the data comes from)."""
+    bases = search_bases(root, name, system_dirs)
+    hit = first_found(search_folders(bases, subfolders), probe)
     if hit is not None:
         return hit
     if fetch is None:
-        raise not_found(title, root, name, layout, None)
+        raise not_found(title, bases, subfolders, layout, how=how)
     target = download_dir(name)
     try:
-        if offline():  # checked before any network access is attempted
-            raise OSError("downloads disabled by FEDGUIDE_OFFLINE=1")
-        target.mkdir(parents=True, exist_ok=True)
         fetch(target)
     except FETCH_ERRORS as err:
-        raise not_found(title, root, name, layout, url, str(err)) from None
-    hit = first_found([target / sub if sub else target for sub in subfolders], probe)
+        raise not_found(title, bases, subfolders, layout, url, str(err), how) from None
+    hit = first_found(search_folders([target], subfolders), probe)
     if hit is None:
-        raise ConfigError(f"{title} was downloaded from {url} into {target}, but the files are not in the "
-                          f"expected layout ({layout}); delete {target} and try again")
+        raise ConfigError(f"{title} was fetched into {target}, but the files there are not in the expected "
+                          f"layout; delete {target} and try again. Expected layout: {layout}")
     return hit
+
+
+# ---- fetching and unpacking ------------------------------------------------------------------------
+
+def download_file(url: str, dest: Path, timeout: float = 30.0) -> Path:
+    """Fetch ``url`` to ``dest`` (in an existing folder) atomically: a temporary file beside it, renamed when
+    complete, so an interrupted download never leaves a half file that a later run would take for the dataset."""
+    import urllib.request
+
+    with tempfile.NamedTemporaryFile(dir=dest.parent, delete=False) as tmp:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
+                shutil.copyfileobj(resp, tmp)
+        except BaseException:
+            tmp.close()
+            os.unlink(tmp.name)
+            raise
+    os.replace(tmp.name, dest)
+    return dest
+
+
+def _download(url: str, dest: Path) -> None:
+    if offline():  # checked before download_file, so nothing touches the network or the disk
+        raise OSError(OFFLINE_REASON)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    download_file(url, dest)
 
 
 def fetch_files(urls: dict[str, str]) -> Callable[[Path], None]:
@@ -117,7 +154,7 @@ def fetch_files(urls: dict[str, str]) -> Callable[[Path], None]:
     def fetch(target: Path) -> None:
         for filename, url in urls.items():
             if not (target / filename).is_file():
-                download_file(url, target / filename)
+                _download(url, target / filename)
     return fetch
 
 
@@ -126,7 +163,7 @@ def fetch_archive(url: str, archive_name: str) -> Callable[[Path], None]:
     def fetch(target: Path) -> None:
         archive = target / archive_name
         if not archive.is_file():
-            download_file(url, archive)
+            _download(url, archive)
         try:
             unpack(archive, target)
         finally:
@@ -141,7 +178,8 @@ def _check_member(archive: Path, member: str) -> None:
 
 
 def unpack(archive: Path, dest: Path) -> None:
-    """Unpack a .zip or .tar[.gz] into ``dest``, atomically per top-level entry."""
+    """Unpack a .zip or .tar[.gz] into ``dest`` (created if missing), atomically per top-level entry."""
+    dest.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=dest, prefix=".unpack-"))
     try:
         if zipfile.is_zipfile(archive):
@@ -168,6 +206,13 @@ def unpack(archive: Path, dest: Path) -> None:
             os.replace(entry, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+# ---- reading what was found ------------------------------------------------------------------------
+
+def corrupt(path: Path, title: str, layout: str, detail: Any) -> ConfigError:
+    return ConfigError(f"{path} is not readable as {title} data ({detail}); re-download it. "
+                       f"Expected layout: {layout}.")
 
 
 # numpy >= 2 pickles name numpy._core, older ones numpy.core: both spellings are the same function.
@@ -213,6 +258,13 @@ def as_text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+def read_text(path: Path, title: str, layout: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise corrupt(path, title, layout, f"{type(err).__name__}: {err}") from None
+
+
 def labels_int64(labels: Any, num_classes: int, path: Path, title: str, layout: str) -> torch.Tensor:
     """Integer labels in [0, num_classes), from any numeric array or list; a [N, 1] column is flattened."""
     arr = np.asarray(labels).reshape(-1)
@@ -227,50 +279,3 @@ def labels_int64(labels: Any, num_classes: int, path: Path, title: str, layout: 
 def check_lengths(images: torch.Tensor, labels: torch.Tensor, path: Path, title: str, layout: str) -> None:
     if len(images) != len(labels):
         raise corrupt(path, title, layout, f"{len(images)} images but {len(labels)} labels")
-
-
-def normalise_channels(images_uint8: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """uint8 [N, C, H, W] -> float32 standardised per channel."""
-    # Contiguous uint8 first: normalising a permuted view would copy the (4x larger) float result instead.
-    x = images_uint8.contiguous()
-    return normalise(x, torch.tensor(mean).view(-1, 1, 1), torch.tensor(std).view(-1, 1, 1))  # type: ignore[arg-type]
-
-
-def to_splits(raw: RawImages, mean: Sequence[float], std: Sequence[float]) -> DatasetSplits:
-    return DatasetSplits(normalise_channels(raw.train_x, mean, std), raw.train_y,
-                         normalise_channels(raw.test_x, mean, std), raw.test_y, raw.class_names)
-
-
-def read_text(path: Path, title: str, layout: str) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise corrupt(path, title, layout, f"{type(err).__name__}: {err}") from None
-
-
-def read_rgb(path: Path, title: str, layout: str, size: Optional[int] = None) -> np.ndarray:
-    """One image file as uint8 [3, H, W]; resized (bilinear) to size x size when ``size`` is given."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as img:
-            rgb = img.convert("RGB")  # grey or palette images become 3 equal channels
-            if size is not None and rgb.size != (size, size):
-                rgb = rgb.resize((size, size), Image.BILINEAR)
-            return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
-    except (OSError, UnidentifiedImageError, ValueError) as err:
-        raise corrupt(path, title, layout, f"{type(err).__name__}: {err}") from None
-
-
-def read_rgb_stack(paths: Sequence[Path], title: str, layout: str, size: Optional[int] = None) -> torch.Tensor:
-    """Image files as uint8 [N, 3, H, W]; without ``size`` all must share the first one's size."""
-    out: Optional[np.ndarray] = None
-    for i, path in enumerate(paths):
-        image = read_rgb(path, title, layout, size)
-        if out is None:  # filled in place, so no list of arrays is held next to the result
-            out = np.empty((len(paths), *image.shape), dtype=np.uint8)
-        elif image.shape != out.shape[1:]:
-            raise corrupt(path, title, layout, f"{image.shape[2]}x{image.shape[1]} pixels while {paths[0].name} "
-                                               f"has {out.shape[3]}x{out.shape[2]}; all images must share one size")
-        out[i] = image
-    return torch.from_numpy(out if out is not None else np.zeros((0, 3, size or 1, size or 1), dtype=np.uint8))

@@ -1,18 +1,25 @@
-"""Shared machinery of the image-file sources: one sample record, decoding, the seeded split, the tensors.
+"""Image pixels and image-file datasets: listing, decoding, normalising, and the seeded split into tensors.
 
-Decisions, where the datasets leave a choice open:
+Shared by every image source (the benchmark files, Tiny ImageNet, the digit folders, the image-folder
+presets). Decisions, where the datasets leave a choice open:
 
-- Every image is decoded to RGB (grey and palette images are expanded) and resized to a square
-  ``image_size`` x ``image_size`` without keeping the aspect ratio, as the FL papers' loaders do
-  (``Resize((s, s))``): nothing of the object is cropped away. Bilinear, antialiased resampling; JPEGs
-  are decoded at a reduced scale first when that still leaves at least ``image_size`` pixels (PIL's
-  draft mode), which makes large folders several times faster to read and changes nothing visible at
-  the small sizes held in memory.
-- Pixels are standardised per channel once at load (ImageNet mean/std unless configured), so batches
-  are plain gathers like every other source.
+- Every image file is decoded to RGB (grey and palette images are expanded). Given a size, it is resized
+  to a square ``size`` x ``size`` without keeping the aspect ratio, as the FL papers' loaders do
+  (``Resize((s, s))``): nothing of the object is cropped away. Bilinear, antialiased resampling. Without a
+  size, images keep theirs and must all share one.
+- ``draft``: JPEGs are decoded at a reduced scale first when that still leaves at least ``size`` pixels
+  (PIL's draft mode). The image-folder datasets (large photos, up to hundreds of thousands of them) use it:
+  it makes them several times faster to read and changes nothing visible at the small sizes held in
+  memory. Tiny ImageNet's images are already 64x64, so it would gain nothing there, yet it would change
+  the pixels of every image_size below 64 (up to ~30 grey levels on fine texture at 32): it stays a plain
+  bilinear resize of the full image.
+- Image files are recognised by suffix (.jpg, .jpeg, .png, .bmp, any case); hidden files (names starting
+  with a dot, such as macOS's ``._*`` companions) are never images.
 - Names sort case-insensitively (ties broken by the exact name): deterministic on every file system, and
   the same order as DomainNet's official label numbering (``The_Eiffel_Tower`` between ``tent`` and
   ``tiger``).
+- Pixels are standardised once at load, with one mean and std for all channels or one per channel, so
+  batches are plain gathers (the image-folder sources: ImageNet mean/std unless configured).
 - Without an official split, each (domain, class) group sends round(n * test_fraction) images to the
   test side, at least one when the group has two or more and never all of them. The shuffle is seeded
   by ``split_seed`` and the group's own names, so a group's split does not change when other domains or
@@ -28,19 +35,115 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 from pydantic import Field, field_validator
 
-from fedguide.data.sources.base import DatasetSplits, SourceParams, candidate_roots, download_dir
+from fedguide.data.sources.base import DatasetSplits, SourceParams
 from fedguide.registry import ConfigError
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp"})
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+Stat = Union[float, Sequence[float]]  # one value for every channel, or one per channel
 
+
+@dataclass
+class RawImages:
+    """A dataset before normalisation: uint8 [N, C, H, W] images and int64 labels."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    class_names: list[str]
+
+
+# ---- listing -------------------------------------------------------------------------------------
+
+def sort_key(name: str) -> tuple[str, str]:
+    return (name.casefold(), name)
+
+
+def sorted_names(names: Iterable[str]) -> list[str]:
+    return sorted(set(names), key=sort_key)
+
+
+def subfolders(folder: Path) -> list[str]:
+    """Visible sub-folder names, sorted."""
+    return sorted_names(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def list_images(folder: Path) -> list[Path]:
+    """Image files directly in ``folder`` (by suffix, any case), sorted; other files are ignored."""
+    return sorted((p for p in folder.iterdir()
+                   if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_SUFFIXES),
+                  key=lambda p: sort_key(p.name))
+
+
+# ---- decoding ------------------------------------------------------------------------------------
+
+def decode_image(path: Path, size: Optional[int], layout: str, draft: bool = False) -> np.ndarray:
+    """uint8 [3, H, W], resized to size x size when ``size`` is given (a JPEG in draft mode first when
+    ``draft``); an unreadable file is a ConfigError naming it and the expected layout."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            if draft and size is not None:
+                img.draft("RGB", (size, size))
+            rgb = img.convert("RGB")
+            if size is not None:
+                rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as err:
+        raise ConfigError(f"cannot read image {path} ({err}); replace or delete the file. "
+                          f"Expected layout: {layout}") from None
+    return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
+
+
+def decode_images(paths: Sequence[Path], size: Optional[int], layout: str, draft: bool = False) -> torch.Tensor:
+    """Image files as uint8 [N, 3, H, W]; without ``size`` all must share the first one's size."""
+    out: Optional[np.ndarray] = None
+    for i, path in enumerate(paths):
+        image = decode_image(path, size, layout, draft)
+        if out is None:  # filled in place, so no list of arrays is held next to the result
+            out = np.empty((len(paths), *image.shape), dtype=np.uint8)
+        elif image.shape != out.shape[1:]:
+            raise ConfigError(f"{path} is {image.shape[2]}x{image.shape[1]} pixels while {paths[0]} is "
+                              f"{out.shape[3]}x{out.shape[2]}; all images must share one size. "
+                              f"Expected layout: {layout}")
+        out[i] = image
+    return torch.from_numpy(out if out is not None else np.zeros((0, 3, size or 1, size or 1), dtype=np.uint8))
+
+
+# ---- normalising ---------------------------------------------------------------------------------
+
+def _per_channel(value: Stat) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=torch.float32).view(-1, 1, 1)
+
+
+def standardise_(x: torch.Tensor, mean: Stat, std: Stat) -> torch.Tensor:
+    """float [N, C, H, W] in [0, 1] -> (x - mean) / std, in place."""
+    return x.sub_(_per_channel(mean)).div_(_per_channel(std))
+
+
+def normalise(images_uint8: torch.Tensor, mean: Stat, std: Stat) -> torch.Tensor:
+    """uint8 [N, H, W] or [N, C, H, W] -> float32 [N, C, H, W], standardised once so batches are plain gathers."""
+    # Contiguous uint8 first: normalising a permuted view would copy the (4x larger) float result instead.
+    x = images_uint8.contiguous().to(torch.float32).div_(255.0)
+    if x.dim() == 3:
+        x = x.unsqueeze(1)
+    return standardise_(x, mean, std)
+
+
+def to_splits(raw: RawImages, mean: Stat, std: Stat) -> DatasetSplits:
+    return DatasetSplits(normalise(raw.train_x, mean, std), raw.train_y,
+                         normalise(raw.test_x, mean, std), raw.test_y, raw.class_names)
+
+
+# ---- image-file datasets: parameters, samples, the seeded split ----------------------------------
 
 class ImageParams(SourceParams):
     """Keys every image-file source understands."""
@@ -76,26 +179,6 @@ class Sample:
     group: Optional[str] = None  # samples sharing a group always land on the same side
 
 
-def sort_key(name: str) -> tuple[str, str]:
-    return (name.casefold(), name)
-
-
-def sorted_names(names: Iterable[str]) -> list[str]:
-    return sorted(set(names), key=sort_key)
-
-
-def subfolders(folder: Path) -> list[str]:
-    """Visible sub-folder names, sorted."""
-    return sorted_names(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
-def list_images(folder: Path) -> list[Path]:
-    """Image files directly in ``folder`` (by suffix, any case), sorted; other files are ignored."""
-    return sorted((p for p in folder.iterdir()
-                   if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_SUFFIXES),
-                  key=lambda p: sort_key(p.name))
-
-
 def check_known(chosen: Optional[list[str]], known: list[str], what: str, layout: str) -> list[str]:
     """``chosen`` (validated against ``known``, order kept) or all of ``known``."""
     if chosen is None:
@@ -108,49 +191,6 @@ def check_known(chosen: Optional[list[str]], known: list[str], what: str, layout
     if len(set(chosen)) != len(chosen):
         raise ConfigError(f"{what} {chosen} name one entry twice")
     return list(chosen)
-
-
-def find_root(root: Optional[str], dataset: str, subdirs: tuple[str, ...],
-              looks_right: Callable[[Path], bool]) -> tuple[Optional[Path], list[Path]]:
-    """The first folder that ``looks_right``: data.root, $FEDGUIDE_DATA, then the download folder, each
-    as it is or with one of ``subdirs`` appended. Also returns every folder looked at, for the error."""
-    bases = candidate_roots(root, "FEDGUIDE_DATA") + [download_dir(dataset)]
-    looked = []
-    for base in bases:
-        for sub in ("",) + subdirs:
-            folder = base / sub if sub else base
-            if folder in looked:
-                continue
-            looked.append(folder)
-            if folder.is_dir() and looks_right(folder):
-                return folder, looked
-    return None, looked
-
-
-def decode_image(path: Path, size: int, layout: str) -> np.ndarray:
-    """uint8 [3, size, size]; an unreadable file is a ConfigError naming it and the expected layout."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as img:
-            img.draft("RGB", (size, size))
-            rgb = img.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
-    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as err:
-        raise ConfigError(f"cannot read image {path} ({err}); replace or delete the file. "
-                          f"Expected layout: {layout}") from None
-    return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
-
-
-def images_tensor(paths: list[Path], params: ImageParams, layout: str) -> torch.Tensor:
-    """Decoded, resized and standardised float32 [N, 3, S, S]."""
-    size = params.image_size
-    raw = np.empty((len(paths), 3, size, size), dtype=np.uint8)
-    for i, path in enumerate(paths):
-        raw[i] = decode_image(path, size, layout)
-    x = torch.from_numpy(raw).to(torch.float32).div_(255.0)
-    mean = torch.tensor(params.mean, dtype=torch.float32).view(1, 3, 1, 1)
-    std = torch.tensor(params.std, dtype=torch.float32).view(1, 3, 1, 1)
-    return x.sub_(mean).div_(std).contiguous()
 
 
 def group_rng(seed: int, *names: Optional[str]) -> np.random.Generator:
@@ -202,6 +242,11 @@ def cap_per_class(samples: list[Sample], cap: Optional[int], seed: int) -> list[
             rng = group_rng(seed, domain, label, "max_train_per_class")
             keep.update(rng.choice(idx, size=cap, replace=False).tolist())
     return [s for i, s in enumerate(samples) if i in keep]
+
+
+def images_tensor(paths: list[Path], params: ImageParams, layout: str) -> torch.Tensor:
+    """Decoded (JPEG draft mode: folders of large photos), resized and standardised float32 [N, 3, S, S]."""
+    return normalise(decode_images(paths, params.image_size, layout, draft=True), params.mean, params.std)
 
 
 def build_splits(samples: list[Sample], class_names: list[str], domain_names: Optional[list[str]],

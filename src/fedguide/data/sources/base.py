@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -64,61 +63,3 @@ class SourceParams(BaseModel):
 
 DATASETS: Registry = Registry("dataset")
 
-
-def normalise(images_uint8: torch.Tensor, mean: float, std: float) -> torch.Tensor:
-    """uint8 [N,H,W] or [N,C,H,W] -> float32 [N,C,H,W], standardised once so batches are plain gathers."""
-    x = images_uint8.to(torch.float32).div_(255.0)
-    if x.dim() == 3:
-        x = x.unsqueeze(1)
-    return x.sub_(mean).div_(std).contiguous()
-
-
-def offline() -> bool:
-    """Downloads are off when FEDGUIDE_OFFLINE=1 (tests and air-gapped machines set it)."""
-    import os
-
-    return os.environ.get("FEDGUIDE_OFFLINE") == "1"
-
-
-def download_file(url: str, dest: Path, timeout: float = 30.0) -> Path:
-    """Fetch ``url`` to ``dest`` atomically: a temporary file beside it, renamed when complete, so an
-    interrupted download never leaves a half file that a later run would take for the dataset."""
-    import os
-    import shutil
-    import tempfile
-    import urllib.request
-
-    if offline():
-        raise OSError("downloads disabled by FEDGUIDE_OFFLINE=1")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=dest.parent, delete=False) as tmp:
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as resp:
-                shutil.copyfileobj(resp, tmp)
-        except BaseException:
-            tmp.close()
-            os.unlink(tmp.name)
-            raise
-    os.replace(tmp.name, dest)
-    return dest
-
-
-def download_dir(name: str) -> Path:
-    """Where downloads of dataset ``name`` go: $FEDGUIDE_DATA/<name> or ~/.cache/fedguide/<name>."""
-    import os
-
-    base = os.environ.get("FEDGUIDE_DATA") or os.path.join(os.path.expanduser("~"), ".cache", "fedguide")
-    return Path(base) / name
-
-
-def candidate_roots(root: Optional[str], env_var: str, *defaults: str) -> list[Path]:
-    """Where to look, in order: the config's data.root, the environment variable, system defaults."""
-    import os
-
-    out = []
-    if root:
-        out.append(Path(root).expanduser())
-    if os.environ.get(env_var):
-        out.append(Path(os.environ[env_var]).expanduser())
-    out.extend(Path(d) for d in defaults)
-    return out

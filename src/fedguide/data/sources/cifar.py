@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedguide.data.sources._files import (RawImages, as_text, check_lengths, corrupt, fetch_archive, field,
-                                          find_or_fetch, labels_int64, load_pickle, to_splits)
+from fedguide.data.sources._files import (as_text, check_lengths, corrupt, fetch_archive, field, find_or_fetch,
+                                          has_paths, labels_int64, load_pickle)
+from fedguide.data.sources._images import RawImages, to_splits
 from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams
 
 URL_10 = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
@@ -44,12 +45,6 @@ class Cifar100Params(SourceParams):
         "fine", description="fine: the 100 classes; coarse: the 20 superclasses")
 
 
-def _has(*names: str):
-    def probe(folder: Path) -> Optional[Path]:
-        return folder if all((folder / n).is_file() for n in names) else None
-    return probe
-
-
 def read_batch(path: Path, label_key: str, num_classes: int, title: str, layout: str):
     record = load_pickle(path, title, layout)
     data = np.asarray(field(record, "data", path, title, layout))
@@ -67,7 +62,7 @@ def read_names(path: Path, key: str, title: str, layout: str) -> list[str]:
 
 def read_cifar10(root: Optional[str]) -> RawImages:
     title = "CIFAR-10"
-    folder = find_or_fetch(title, root, "cifar10", SUBFOLDERS_10, _has(*TRAIN_10, "test_batch", "batches.meta"),
+    folder = find_or_fetch(title, root, "cifar10", SUBFOLDERS_10, has_paths((*TRAIN_10, "test_batch", "batches.meta")),
                            LAYOUT_10, URL_10, fetch_archive(URL_10, "cifar-10-python.tar.gz"))
     names = read_names(folder / "batches.meta", "label_names", title, LAYOUT_10)
     train = [read_batch(folder / b, "labels", len(names), title, LAYOUT_10) for b in TRAIN_10]
@@ -77,7 +72,7 @@ def read_cifar10(root: Optional[str]) -> RawImages:
 
 def read_cifar100(root: Optional[str], label: str = "fine") -> RawImages:
     title = "CIFAR-100"
-    folder = find_or_fetch(title, root, "cifar100", SUBFOLDERS_100, _has("train", "test", "meta"),
+    folder = find_or_fetch(title, root, "cifar100", SUBFOLDERS_100, has_paths(("train", "test", "meta")),
                            LAYOUT_100, URL_100, fetch_archive(URL_100, "cifar-100-python.tar.gz"))
     names = read_names(folder / "meta", f"{label}_label_names", title, LAYOUT_100)
     train_x, train_y = read_batch(folder / "train", f"{label}_labels", len(names), title, LAYOUT_100)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, field_validator
 
+from fedguide.data.sources._images import standardise_
 from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams
 from fedguide.data.sources.digit_files import read_mnistm, read_synthdigits
 from fedguide.data.sources.mnist import read_mnist
@@ -65,7 +66,7 @@ def combine(parts: list[torch.Tensor], size: int) -> torch.Tensor:
     for part in parts:
         to_rgb_unit(part, size, out[start:start + len(part)])
         start += len(part)
-    return out.sub_(MEAN).div_(STD)
+    return standardise_(out, MEAN, STD)
 
 
 def domain_ids(lengths: list[int]) -> torch.Tensor:

@@ -6,7 +6,7 @@ Accepted forms, in a dataset folder ``<root>/<name>/`` (names below; the root it
 2. One pickle per split: ``train.pkl`` and ``test.pkl``, each a pickled ``(images, labels)`` pair.
 3. One npz per split: ``train.npz`` and ``test.npz`` holding arrays ``x`` and ``y`` (or ``images`` and
    ``labels``).
-4. Image folders: ``train/<digit>/*.png`` and ``test/<digit>/*.png`` (also .jpg), ``<digit>`` in 0..9.
+4. Image folders: ``train/<digit>/*.png`` and ``test/<digit>/*.png`` (also .jpg, .bmp), ``<digit>`` in 0..9.
 5. MNIST-M only, as first released: ``mnist_m_train/*.png`` with ``mnist_m_train_labels.txt`` and
    ``mnist_m_test/*.png`` with ``mnist_m_test_labels.txt`` (lines ``<file> <label>``).
 Images in arrays are uint8 [N, H, W, 3] or [N, H, W]; labels are integers 0..9 ([N] or [N, 1]).
@@ -15,7 +15,8 @@ Decisions:
 - Folder names: SynthDigits in ``synthdigits``, ``SynthDigits``, ``synth_digits`` or ``syn``; MNIST-M in
   ``mnistm``, ``MNIST_M``, ``mnist_m`` or ``MNIST-M``.
 - Arrays must be uint8: float images may be scaled to [0, 1] or [0, 255], and guessing would be silent.
-- Image files are read as RGB (both datasets are colour); all must share one size.
+- Image files are listed and read as RGB like every image-file source (both datasets are colour; see
+  ``_images``), at their own size, which all must share.
 - Normalisation: mean 0.5, std 0.5 per channel, as FedBN and its followers use for every Digits domain.
 """
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from fedguide.data.sources._files import (RawImages, check_lengths, corrupt, find_or_fetch, labels_int64,
-                                          load_pickle, read_rgb_stack, read_text, to_splits)
+from fedguide.data.sources._files import check_lengths, corrupt, find_or_fetch, labels_int64, load_pickle, read_text
+from fedguide.data.sources._images import RawImages, decode_images, list_images, to_splits
 from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams
 
 FOLDER_NAMES = {
@@ -39,7 +40,6 @@ LAYOUT = ("<name>/partitions/train_part0.pkl... + <name>/test.pkl (FedBN), <name
           "<name>/{train,test}.npz (arrays x, y), or <name>/{train,test}/<digit>/*.png")
 LAYOUT_MNISTM = LAYOUT + ", or mnist_m/mnist_m_{train,test}/*.png with mnist_m_{train,test}_labels.txt"
 NPZ_KEYS = (("x", "y"), ("images", "labels"), ("X", "y"))
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 MEAN, STD = 0.5, 0.5
 CLASS_NAMES = [str(d) for d in range(10)]
 
@@ -122,10 +122,10 @@ def read_folders(split: Path, title: str, layout: str) -> tuple[torch.Tensor, to
     for digit_dir in sorted(_digit_dirs(split)):
         if digit_dir.name not in CLASS_NAMES:
             raise corrupt(digit_dir, title, layout, "class folders must be named 0..9")
-        files = sorted(p for p in digit_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        files = list_images(digit_dir)
         paths += files
         labels += [int(digit_dir.name)] * len(files)
-    return read_rgb_stack(paths, title, layout), torch.tensor(labels, dtype=torch.int64)
+    return decode_images(paths, None, layout), torch.tensor(labels, dtype=torch.int64)
 
 
 def read_label_list(folder: Path, split: str, title: str, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,14 +139,16 @@ def read_label_list(folder: Path, split: str, title: str, layout: str) -> tuple[
             raise corrupt(listing, title, layout, f"line {line_no} is not '<file> <digit>': {line[:80]!r}")
         paths.append(folder / f"mnist_m_{split}" / fields[0])
         labels.append(int(fields[1]))
-    return read_rgb_stack(paths, title, layout), torch.tensor(labels, dtype=torch.int64)
+    return decode_images(paths, None, layout), torch.tensor(labels, dtype=torch.int64)
 
 
 def read_digit_files(name: str, root: Optional[str]) -> RawImages:
     title = TITLES[name]
     layout = ((LAYOUT_MNISTM if name == "mnistm" else LAYOUT).replace("<name>", name)
               + f"; the {name}/ folder may also be named {', '.join(FOLDER_NAMES[name][1:])}")
-    form, folder = find_or_fetch(title, root, name, FOLDER_NAMES[name] + ("",), _probe_for(name), layout)
+    form, folder = find_or_fetch(title, root, name, FOLDER_NAMES[name] + ("",), _probe_for(name), layout,
+                                 how="It has no official download: use the files federated-learning repositories "
+                                     "(FedBN's among them) distribute.")
     if form == "partitions":
         train, test = read_partitions(folder, title, layout), read_pair_pickle(folder / "test.pkl", title, layout)
     elif form == "pkl":
@@ -171,18 +173,13 @@ def read_mnistm(root: Optional[str]) -> RawImages:
     return read_digit_files("mnistm", root)
 
 
-def _normalised(raw: RawImages) -> DatasetSplits:
-    channels = raw.train_x.shape[1]
-    return to_splits(raw, (MEAN,) * channels, (STD,) * channels)
-
-
 @DATASETS.register("synthdigits", params=SourceParams,
                    summary="SynthDigits (FedBN pickles, npz or image folders), 10 classes, RGB")
 def load_synthdigits(params: SourceParams) -> DatasetSplits:
-    return _normalised(read_synthdigits(params.root))
+    return to_splits(read_synthdigits(params.root), MEAN, STD)
 
 
 @DATASETS.register("mnistm", params=SourceParams,
                    summary="MNIST-M (FedBN pickles, npz, image folders or the first release), 10 classes, RGB")
 def load_mnistm(params: SourceParams) -> DatasetSplits:
-    return _normalised(read_mnistm(params.root))
+    return to_splits(read_mnistm(params.root), MEAN, STD)

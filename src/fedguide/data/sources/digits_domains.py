@@ -55,7 +55,8 @@ import torch
 from pydantic import Field
 
 from fedguide.data.sources import _digit_render as render
-from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams, normalise
+from fedguide.data.sources._images import normalise
+from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams
 from fedguide.registry import ConfigError
 
 DOMAIN_NAMES = ["uci", "fonts", "mnistm_like"]

@@ -1,4 +1,9 @@
-"""Fashion-MNIST from its IDX files (gzipped or not), with the official download as a last resort."""
+"""Fashion-MNIST from its IDX files (gzipped or not), with the official download as a last resort.
+
+Layouts: the four files directly in data.root, $FEDGUIDE_DATA, the Debian package's folder or the download
+folder, or in a ``fashion-mnist``, ``fmnist``, ``FashionMNIST/raw`` or ``FashionMNIST`` sub-folder.
+The IDX reader and the four-file probe serve MNIST too, whose files have the same names.
+"""
 from __future__ import annotations
 
 import gzip
@@ -9,8 +14,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fedguide.data.sources.base import (DATASETS, DatasetSplits, SourceParams, candidate_roots, download_dir,
-                                        download_file, normalise, offline)
+from fedguide.data.sources._files import fetch_files, find_or_fetch
+from fedguide.data.sources._images import normalise
+from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams
 from fedguide.registry import ConfigError
 
 FILES = {
@@ -26,6 +32,8 @@ CLASS_NAMES = ["T-shirt/top", "trouser", "pullover", "dress", "coat",
 MEAN, STD = 0.2860, 0.3530
 # Sub-folders under a root that common tools use for these files.
 LAYOUTS = ("", "fashion-mnist", "fmnist", "FashionMNIST/raw", "FashionMNIST")
+LAYOUT = ("train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz], "
+          "t10k-labels-idx1-ubyte[.gz]")
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -49,54 +57,23 @@ def read_idx(path: Path) -> np.ndarray:
     return body.reshape(dims)
 
 
-def _find(folder: Path, stem: str) -> Optional[Path]:
-    for name in (stem, stem + ".gz"):
-        if (folder / name).is_file():
-            return folder / name
-    return None
-
-
-def locate(root: Optional[str]) -> Optional[dict[str, Path]]:
-    for base in candidate_roots(root, "FEDGUIDE_DATA", SYSTEM_DIR):
-        for sub in LAYOUTS:
-            folder = base / sub
-            found = {k: _find(folder, stem) for k, stem in FILES.items()}
-            if all(found.values()):
-                return found  # type: ignore[return-value]
-    return None
-
-
-def download(target: Path, timeout: float = 10.0) -> dict[str, Path]:
-    out = {}
+def idx_files(folder: Path) -> Optional[dict[str, Path]]:
+    """The four IDX files in ``folder`` (each plain or .gz, plain preferred), or None when one is missing."""
+    found = {}
     for key, stem in FILES.items():
-        dest = target / f"{stem}.gz"
-        if not dest.is_file():
-            download_file(URL + stem + ".gz", dest, timeout)
-        out[key] = dest
-    return out
-
-
-def default_download_dir() -> Path:
-    return download_dir("fashion-mnist")
+        hits = [folder / n for n in (stem, stem + ".gz") if (folder / n).is_file()]
+        if not hits:
+            return None
+        found[key] = hits[0]
+    return found
 
 
 @DATASETS.register("fmnist", params=SourceParams, summary="Fashion-MNIST (IDX files), 10 classes, 28x28 grey")
 def load_fmnist(params: SourceParams) -> DatasetSplits:
-    found = locate(params.root)
-    if found is None:
-        target = default_download_dir()
-        try:
-            if offline():  # checked before any download is attempted
-                raise OSError("downloads disabled by FEDGUIDE_OFFLINE=1")
-            found = download(target)
-        except OSError as err:
-            looked = ", ".join(str(p) for p in candidate_roots(params.root, "FEDGUIDE_DATA", SYSTEM_DIR))
-            raise ConfigError(
-                f"Fashion-MNIST not found (looked in {looked}) and the download from {URL} failed ({err}). "
-                f"Fix: install the Debian package 'dataset-fashion-mnist' (files in {SYSTEM_DIR}), or set "
-                "FEDGUIDE_DATA / data.root to a folder holding train-images-idx3-ubyte[.gz], "
-                "train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz]."
-            ) from None
+    found = find_or_fetch(
+        "Fashion-MNIST", params.root, "fashion-mnist", LAYOUTS, idx_files, LAYOUT, URL,
+        fetch_files({f"{stem}.gz": f"{URL}{stem}.gz" for stem in FILES.values()}),
+        how=f"The Debian package 'dataset-fashion-mnist' installs it in {SYSTEM_DIR}.", system_dirs=(SYSTEM_DIR,))
     arrays = {k: read_idx(p) for k, p in found.items()}
     for split in ("train", "test"):
         if len(arrays[f"{split}_x"]) != len(arrays[f"{split}_y"]):

@@ -3,11 +3,12 @@
 ``office_caltech10``, ``domainnet`` and ``nicopp`` are folder trees read through ``imagefolder``;
 ``nicopp_unique``, ``openimage_fedcado`` / ``openimage_feddisc``, ``ham10000`` and ``eurosat`` have their
 own layouts. Every one takes ``max_train_per_class`` (a seeded draw of at most that many training images
-per domain and class, test images untouched; see ``_images``), FedCADO's 30 images per class and client.
-None is downloaded automatically except EuroSAT (one 90 MB zip): the others are several gigabytes or
-sit behind a registration page, so a missing dataset is a ConfigError naming where to get it and the
-layout expected. Roots are searched in data.root, $FEDGUIDE_DATA and the download folder, each as it is
-or with the dataset's usual folder name appended.
+per domain and class, test images untouched; see ``_images``), FedCADO's 30 images per class and
+client. None is downloaded automatically except EuroSAT (one 90 MB zip, also taken from a searched folder
+when it lies there): the others are several gigabytes or sit behind a registration page, so a missing
+dataset is the standard "not found" ConfigError (``_files``), saying where to get it and the layout
+expected. Roots are searched in data.root, $FEDGUIDE_DATA and the download folder, each as it is or with
+the dataset's usual folder name appended.
 
 Decisions where the datasets or papers are silent:
 
@@ -52,30 +53,24 @@ Decisions where the datasets or papers are silent:
 from __future__ import annotations
 
 import csv
-import os
-import shutil
-import tempfile
-import zipfile
 from pathlib import Path
 from typing import Iterator, Literal, Optional
 
 from pydantic import Field
 
-from fedguide.data.sources._images import (ImageParams, Sample, build_splits, check_known, find_root,
-                                           list_images, sort_key, sorted_names, subfolders)
-from fedguide.data.sources.base import DATASETS, DatasetSplits, download_dir, download_file, offline
+from fedguide.data.sources._files import (FETCH_ERRORS, Probe, fetch_archive, find_or_fetch, first_found, has_paths,
+                                          search_bases, search_folders, unpack)
+from fedguide.data.sources._images import (ImageParams, Sample, build_splits, check_known, list_images, sort_key,
+                                           sorted_names, subfolders)
+from fedguide.data.sources.base import DATASETS, DatasetSplits
 from fedguide.data.sources.imagefolder import read_folder_dataset, read_tree, resolve_classes
 from fedguide.registry import ConfigError
 
 
-def not_found(title: str, looked: list[Path], how: str, layout: str) -> ConfigError:
-    where = ", ".join(str(p) for p in looked)
-    return ConfigError(f"{title} not found (looked in {where}). {how} Set data.root (or FEDGUIDE_DATA) to the "
-                       f"folder. Expected layout: {layout}")
-
-
-def has_domains(domains: list[str]):
-    return lambda folder: all((folder / d).is_dir() for d in domains)
+def find_dataset(title: str, root: Optional[str], name: str, subdirs: tuple[str, ...], probe: Probe[Path],
+                 layout: str, how: str) -> Path:
+    """The dataset's folder, as it is or in one of ``subdirs``; ``how`` says where to get it when it is missing."""
+    return find_or_fetch(title, root, name, ("",) + subdirs, probe, layout, how=how)
 
 
 class DomainParams(ImageParams):
@@ -97,11 +92,9 @@ OFFICE_LAYOUT = ("root/{amazon,caltech,dslr,webcam}/<class>/*.jpg with the class
 def load_office_caltech10(params: DomainParams) -> DatasetSplits:
     domains = check_known(params.domains, OFFICE_DOMAINS, "Office-Caltech-10 domains", OFFICE_LAYOUT)
     classes = check_known(params.classes, OFFICE_CLASSES, "Office-Caltech-10 classes", OFFICE_LAYOUT)
-    root, looked = find_root(params.root, "office_caltech10", ("office_caltech_10", "office_caltech10"),
-                             has_domains(domains))
-    if root is None:
-        raise not_found("Office-Caltech-10", looked, "It has no official archive: it is the 10 classes shared by "
-                        "Office-31 and Caltech-256 (Gong et al., CVPR 2012).", OFFICE_LAYOUT)
+    root = find_dataset("Office-Caltech-10", params.root, "office_caltech10", ("office_caltech_10", "office_caltech10"),
+                        has_paths(dirs=domains), OFFICE_LAYOUT, "It has no official archive: it is the 10 classes "
+                        "shared by Office-31 and Caltech-256 (Gong et al., CVPR 2012).")
     return read_folder_dataset(root, params, OFFICE_LAYOUT, domains, classes)
 
 
@@ -199,11 +192,10 @@ def load_domainnet(params: DomainNetParams) -> DatasetSplits:
     chosen = [params.classes is not None, params.subset != "all", params.num_classes is not None]
     if sum(chosen) > 1:
         raise ConfigError("choose classes with one of classes, subset or num_classes, not several")
-    root, looked = find_root(params.root, "domainnet", ("domainnet", "DomainNet"), has_domains(domains))
-    if root is None:
-        raise not_found("DomainNet", looked, f"Download the domain zips from {DOMAINNET_PAGE} "
+    root = find_dataset("DomainNet", params.root, "domainnet", ("domainnet", "DomainNet"), has_paths(dirs=domains),
+                        DOMAINNET_LAYOUT, f"Download the domain zips from {DOMAINNET_PAGE} "
                         f"(e.g. {DOMAINNET_URLS['clipart']}) and the split lists "
-                        f"({DOMAINNET_SPLIT_URL.format(domain='clipart', split='train')}, ...).", DOMAINNET_LAYOUT)
+                        f"({DOMAINNET_SPLIT_URL.format(domain='clipart', split='train')}, ...).")
     classes = params.classes
     if params.subset == "ten":
         classes = list(DOMAINNET_TEN)
@@ -228,9 +220,8 @@ NICO_LAYOUT = ("root/<domain>/<class>/*.jpg for the common domains " + ", ".join
                    summary="NICO++ common contexts: 6 domains (autumn, dim, grass, outdoor, rock, water), 60 classes")
 def load_nicopp(params: DomainParams) -> DatasetSplits:
     domains = check_known(params.domains, NICO_DOMAINS, "NICO++ domains", NICO_LAYOUT)
-    root, looked = find_root(params.root, "nicopp", ("NICO_DG", "nicopp", "nicopp/NICO_DG"), has_domains(domains))
-    if root is None:
-        raise not_found("NICO++", looked, f"Request it via {NICO_PAGE}.", NICO_LAYOUT)
+    root = find_dataset("NICO++", params.root, "nicopp", ("NICO_DG", "nicopp", "nicopp/NICO_DG"),
+                        has_paths(dirs=domains), NICO_LAYOUT, f"Request it via {NICO_PAGE}.")
     split_dirs = [root, root / "splits", root.parent / "NICO_DG_official"]
     return read_listed_tree(root, split_dirs, params, NICO_LAYOUT, domains, params.classes)
 
@@ -263,12 +254,13 @@ def group_contexts(contexts: list[str], num_groups: int) -> list[list[str]]:
     return [ordered[k::num_groups] for k in range(num_groups)]
 
 
-def looks_like_unique_tree(folder: Path) -> bool:
-    """Class folders holding context folders; neither the release's parent folder nor the common tree."""
+def unique_tree(folder: Path) -> Optional[Path]:
+    """``folder`` if it holds class folders holding context folders; neither the release's parent folder nor
+    the common tree."""
     names = subfolders(folder)
     if not names or set(names) & set(NICO_RELEASE_FOLDERS) or set(NICO_DOMAINS) <= set(names):
-        return False
-    return bool(subfolders(folder / names[0]))
+        return None
+    return folder if subfolders(folder / names[0]) else None
 
 
 def read_unique_list(path: Path, root: Path, cls: str, context: str, group: str, split: str) -> list[Sample]:
@@ -306,10 +298,9 @@ def read_unique_context(root: Path, split_dirs: list[Path], cls: str, context: s
 def load_nicopp_unique(params: NicoUniqueParams) -> DatasetSplits:
     names = unique_group_names(params.num_groups)
     domains = check_known(params.domains, names, "NICO++ unique-context groups", NICO_UNIQUE_LAYOUT)
-    root, looked = find_root(params.root, "nicopp", ("NICO_unique", "nicopp", "nicopp/NICO_unique"),
-                             looks_like_unique_tree)
-    if root is None:
-        raise not_found("NICO++ unique contexts", looked, f"Request NICO++ via {NICO_PAGE}.", NICO_UNIQUE_LAYOUT)
+    root = find_dataset("NICO++ unique contexts", params.root, "nicopp",
+                        ("NICO_unique", "nicopp", "nicopp/NICO_unique"), unique_tree, NICO_UNIQUE_LAYOUT,
+                        f"Request NICO++ via {NICO_PAGE}.")
     classes = check_known(params.classes, subfolders(root), f"class folders of {root}", NICO_UNIQUE_LAYOUT)
     split_dirs = [root, root.parent / "NICO_unique_official", root.parent / "txtlist" / "NICO_unique_official"]
     samples = []
@@ -432,11 +423,10 @@ def read_openimage_split(folder: Path, split: str, domains: list[str], classes: 
 def load_openimage(params: DomainParams) -> DatasetSplits:
     domains = check_known(params.domains, OPENIMAGE_DOMAINS, "OpenImage clients", OPENIMAGE_LAYOUT)
     classes = check_known(params.classes, OPENIMAGE_CLASSES, "OpenImage super-categories", OPENIMAGE_LAYOUT)
-    root, looked = find_root(params.root, "openimage", ("openimage", "open-images-v7", "open-images-v6"),
-                             lambda p: (p / "train" / "labels" / "classifications.csv").is_file())
-    if root is None:
-        raise not_found("Open Images", looked, "Download the train and test splits of the 120 subclasses with "
-                        "FiftyOne (https://storage.googleapis.com/openimages/web/download.html).", OPENIMAGE_LAYOUT)
+    root = find_dataset("Open Images", params.root, "openimage", ("openimage", "open-images-v7", "open-images-v6"),
+                        has_paths(["train/labels/classifications.csv"]), OPENIMAGE_LAYOUT,
+                        "Download the train and test splits of the 120 subclasses with FiftyOne "
+                        "(https://storage.googleapis.com/openimages/web/download.html).")
     train = read_openimage_split(root / "train", "train", domains, classes)  # capped in build_splits
     test = read_openimage_split(root / "test", "test", domains, classes)
     have = {(s.domain, s.label) for s in train}
@@ -471,10 +461,8 @@ HAM_LAYOUT = ("root/HAM10000_metadata.csv (columns lesion_id, image_id, dx, ...,
                    summary="HAM10000 skin lesions: 7 diagnoses, domains = the 4 image sources (dataset column)")
 def load_ham10000(params: DomainParams) -> DatasetSplits:
     classes = check_known(params.classes, HAM_CLASSES, "HAM10000 diagnoses", HAM_LAYOUT)
-    root, looked = find_root(params.root, "ham10000", ("HAM10000", "ham10000"),
-                             lambda p: (p / "HAM10000_metadata.csv").is_file())
-    if root is None:
-        raise not_found("HAM10000", looked, f"Download it from {HAM_PAGE}.", HAM_LAYOUT)
+    root = find_dataset("HAM10000", params.root, "ham10000", ("HAM10000", "ham10000"),
+                        has_paths(["HAM10000_metadata.csv"]), HAM_LAYOUT, f"Download it from {HAM_PAGE}.")
     images = {p.stem: p for part in HAM_PARTS if (root / part).is_dir() for p in list_images(root / part)}
     meta = root / "HAM10000_metadata.csv"
     with open(meta, newline="", encoding="utf-8") as fh:
@@ -509,6 +497,7 @@ EUROSAT_CLASSES = ["AnnualCrop", "Forest", "HerbaceousVegetation", "Highway", "I
                    "PermanentCrop", "Residential", "River", "SeaLake"]
 EUROSAT_FOLDERS = ("2750", "EuroSAT_RGB")  # inside EuroSAT.zip / EuroSAT_RGB.zip
 EUROSAT_ZIPS = ("EuroSAT.zip", "EuroSAT_RGB.zip")
+EUROSAT_SUBDIRS = ("", "eurosat", "EuroSAT")
 EUROSAT_LAYOUT = ("root/2750/<class>/*.jpg (EuroSAT.zip extracted) or root/EuroSAT_RGB/<class>/*.jpg, with "
                   "the classes " + ", ".join(EUROSAT_CLASSES) + "; or root/EuroSAT.zip itself")
 
@@ -525,41 +514,25 @@ def eurosat_folder(base: Path) -> Optional[Path]:
     return None
 
 
-def extract_eurosat(archive: Path, target: Path) -> Path:
-    """Unpack next to the downloads (never into the user's folder); a partial unpack never counts."""
-    target.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target, prefix=".unpack-"))
-    try:
-        with zipfile.ZipFile(archive) as zf:
-            zf.extractall(tmp)
-        inner = eurosat_folder(tmp)
-        if inner is None:
-            raise ConfigError(f"{archive} holds neither 2750/ nor EuroSAT_RGB/. Expected layout: {EUROSAT_LAYOUT}")
-        os.replace(inner, target / inner.name)
-    except (zipfile.BadZipFile, OSError, EOFError) as err:
-        raise ConfigError(f"{archive} is not a readable zip ({err}); re-download it from {EUROSAT_URL}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target / inner.name
+def eurosat_zip(folder: Path) -> Optional[Path]:
+    return next((folder / name for name in EUROSAT_ZIPS if (folder / name).is_file()), None)
 
 
 def locate_eurosat(root: Optional[str]) -> Path:
-    target = download_dir("eurosat")
-    found, looked = find_root(root, "eurosat", ("eurosat", "EuroSAT"), lambda p: eurosat_folder(p) is not None)
-    if found is not None:
-        return eurosat_folder(found)  # type: ignore[return-value]
-    for folder in looked:
-        for name in EUROSAT_ZIPS:
-            if (folder / name).is_file():
-                return extract_eurosat(folder / name, target)
-    try:
-        if offline():  # checked before any download is attempted
-            raise OSError("downloads disabled by FEDGUIDE_OFFLINE=1")
-        archive = download_file(EUROSAT_URL, target / "EuroSAT.zip", timeout=30.0)
-    except OSError as err:
-        raise not_found("EuroSAT", looked, f"The download from {EUROSAT_URL} failed ({err}).",
-                        EUROSAT_LAYOUT) from None
-    return extract_eurosat(archive, target)
+    """The extracted folder; else a zip lying in a searched folder or, failing that, the official one
+    downloaded, unpacked into the download folder (never into the user's folder)."""
+    def fetch(target: Path) -> None:
+        archive = first_found(search_folders(search_bases(root, "eurosat"), EUROSAT_SUBDIRS), eurosat_zip)
+        if archive is None:
+            fetch_archive(EUROSAT_URL, "EuroSAT.zip")(target)
+            return
+        try:
+            unpack(archive, target)
+        except FETCH_ERRORS as err:
+            raise ConfigError(f"{archive} is not a readable zip ({err}); re-download it from {EUROSAT_URL}") from None
+
+    return find_or_fetch("EuroSAT", root, "eurosat", EUROSAT_SUBDIRS, eurosat_folder, EUROSAT_LAYOUT, EUROSAT_URL,
+                         fetch)
 
 
 @DATASETS.register("eurosat", params=EuroSatParams,

@@ -1,7 +1,8 @@
 """IMDB movie reviews (Maas et al. 2011) from the official ``aclImdb`` folder, as int64 token ids.
 
 Layout: ``aclImdb/{train,test}/{neg,pos}/*.txt`` (25k reviews per split; ``train/unsup`` is ignored).
-The official archive is downloaded and unpacked when no copy is found and downloads are allowed.
+The official archive is downloaded and unpacked (then deleted) when no copy is found and downloads are
+allowed; finding, fetching and unpacking are ``_files``'s, as for every source with a download.
 
 Decisions, where the dataset and FedDW leave a choice open:
 
@@ -18,9 +19,6 @@ Decisions, where the dataset and FedDW leave a choice open:
 from __future__ import annotations
 
 import re
-import shutil
-import tarfile
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Literal, Optional
@@ -29,8 +27,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedguide.data.sources.base import (DATASETS, DatasetSplits, SourceParams, candidate_roots, download_dir,
-                                        download_file, offline)
+from fedguide.data.sources._files import fetch_archive, find_or_fetch, has_paths
+from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams
 from fedguide.registry import ConfigError
 
 URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"
@@ -85,53 +83,16 @@ def read_split(folder: Path) -> tuple[list[list[str]], list[int]]:
     return texts, labels
 
 
-def looks_like_acl(folder: Path) -> bool:
-    return all((folder / s / c).is_dir() for s in ("train", "test") for c in LABEL_FOLDERS)
-
-
-def locate(root: Optional[str]) -> tuple[Optional[Path], list[Path]]:
-    looked = []
-    for base in candidate_roots(root, "FEDGUIDE_DATA") + [download_dir("imdb")]:
-        for folder in (base, base / "aclImdb", base / "imdb" / "aclImdb"):
-            if folder not in looked:
-                looked.append(folder)
-                if looks_like_acl(folder):
-                    return folder, looked
-    return None, looked
-
-
-def download(target: Path) -> Path:
-    """Fetch and unpack the archive; a partial unpack never counts as the dataset."""
-    archive = target / "aclImdb_v1.tar.gz"
-    if (target / "aclImdb").exists():
-        raise ConfigError(f"{target / 'aclImdb'} is incomplete (a neg/ or pos/ folder is missing); delete it to "
-                          f"unpack the archive again. Expected layout: {LAYOUT}")
-    if not archive.is_file():
-        download_file(URL, archive, timeout=60.0)
-    tmp = Path(tempfile.mkdtemp(dir=target, prefix=".unpack-"))
-    try:
-        with tarfile.open(archive) as tar:
-            tar.extractall(tmp, filter="data")
-        shutil.move(str(tmp / "aclImdb"), str(target / "aclImdb"))
-    except (tarfile.TarError, EOFError) as err:
-        raise ConfigError(f"{archive} is corrupt ({err}); delete it to download again") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target / "aclImdb"
+def locate(root: Optional[str]) -> Path:
+    """The aclImdb folder: searched, else downloaded."""
+    return find_or_fetch("IMDB", root, "imdb", ("", "aclImdb", "imdb/aclImdb"),
+                         has_paths(dirs=[f"{s}/{c}" for s in ("train", "test") for c in LABEL_FOLDERS]), LAYOUT,
+                         URL, fetch_archive(URL, "aclImdb_v1.tar.gz"))
 
 
 @DATASETS.register("imdb", params=ImdbParams, summary="IMDB reviews (aclImdb), 2 classes, int64 token ids")
 def load_imdb(params: ImdbParams) -> DatasetSplits:
-    folder, looked = locate(params.root)
-    if folder is None:
-        try:
-            if offline():  # checked before any download is attempted
-                raise OSError("downloads disabled by FEDGUIDE_OFFLINE=1")
-            folder = download(download_dir("imdb"))
-        except OSError as err:
-            raise ConfigError(f"IMDB not found (looked in {', '.join(str(p) for p in looked)}) and the download "
-                              f"from {URL} failed ({err}). Set data.root (or FEDGUIDE_DATA) to the folder. "
-                              f"Expected layout: {LAYOUT}") from None
+    folder = locate(params.root)
     train_tokens, train_y = read_split(folder / "train")
     test_tokens, test_y = read_split(folder / "test")
     vocab = build_vocab(train_tokens, params.vocab_size)

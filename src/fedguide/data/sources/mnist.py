@@ -3,48 +3,31 @@
 Layouts: the files directly in data.root or $FEDGUIDE_DATA, or in a ``mnist``, ``MNIST/raw`` (the
 torchvision layout), ``MNIST`` or ``mnist/MNIST/raw`` sub-folder. Named sub-folders are tried before
 the root itself, because a shared root may also hold Fashion-MNIST under the same file names.
+The files have Fashion-MNIST's names and format, so its IDX reader and probe serve here too.
 Normalisation: mean 0.1307, std 0.3081 (the training pixels' statistics, as commonly used).
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
-from fedguide.data.sources._files import (RawImages, check_lengths, corrupt, fetch_files, find_or_fetch,
-                                          labels_int64, to_splits)
+from fedguide.data.sources._files import check_lengths, corrupt, fetch_files, find_or_fetch, labels_int64
+from fedguide.data.sources._images import RawImages, to_splits
 from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams
-from fedguide.data.sources.fmnist import read_idx
+from fedguide.data.sources.fmnist import FILES, LAYOUT as IDX_LAYOUT, idx_files, read_idx
 
 URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
-FILES = {
-    "train_x": "train-images-idx3-ubyte",
-    "train_y": "train-labels-idx1-ubyte",
-    "test_x": "t10k-images-idx3-ubyte",
-    "test_y": "t10k-labels-idx1-ubyte",
-}
 SUBFOLDERS = ("mnist", "MNIST/raw", "MNIST", "mnist/MNIST/raw", "")
-LAYOUT = ("train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz], "
-          "t10k-labels-idx1-ubyte[.gz] (directly, or in mnist/ or MNIST/raw/)")
+LAYOUT = IDX_LAYOUT + " (directly, or in mnist/ or MNIST/raw/)"
 MEAN, STD = (0.1307,), (0.3081,)
 CLASS_NAMES = [str(d) for d in range(10)]
 
 
-def _probe(folder: Path) -> Optional[dict[str, Path]]:
-    found = {}
-    for key, stem in FILES.items():
-        hits = [folder / n for n in (stem, stem + ".gz") if (folder / n).is_file()]
-        if not hits:
-            return None
-        found[key] = hits[0]
-    return found
-
-
 def read_mnist(root: Optional[str]) -> RawImages:
     title = "MNIST"
-    files = find_or_fetch(title, root, "mnist", SUBFOLDERS, _probe, LAYOUT, URL,
+    files = find_or_fetch(title, root, "mnist", SUBFOLDERS, idx_files, LAYOUT, URL,
                           fetch_files({f"{stem}.gz": f"{URL}{stem}.gz" for stem in FILES.values()}))
     out = {}
     for split in ("train", "test"):

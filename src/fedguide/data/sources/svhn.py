@@ -17,8 +17,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fedguide.data.sources._files import (RawImages, check_lengths, corrupt, fetch_files, find_or_fetch,
-                                          labels_int64, to_splits)
+from fedguide.data.sources._files import check_lengths, corrupt, fetch_files, find_or_fetch, has_paths, labels_int64
+from fedguide.data.sources._images import RawImages, to_splits
 from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams
 
 URL = "http://ufldl.stanford.edu/housenumbers/"
@@ -27,10 +27,6 @@ SUBFOLDERS = ("svhn", "SVHN", "")
 LAYOUT = "train_32x32.mat and test_32x32.mat (directly, or in svhn/)"
 MEAN, STD = (0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)
 CLASS_NAMES = [str(d) for d in range(10)]
-
-
-def _probe(folder: Path) -> Optional[Path]:
-    return folder if all((folder / f).is_file() for f in FILES.values()) else None
 
 
 def read_mat(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +52,7 @@ def read_mat(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def read_svhn(root: Optional[str]) -> RawImages:
-    folder = find_or_fetch("SVHN", root, "svhn", SUBFOLDERS, _probe, LAYOUT, URL,
+    folder = find_or_fetch("SVHN", root, "svhn", SUBFOLDERS, has_paths(tuple(FILES.values())), LAYOUT, URL,
                            fetch_files({name: URL + name for name in FILES.values()}))
     train_x, train_y = read_mat(folder / FILES["train"])
     test_x, test_y = read_mat(folder / FILES["test"])

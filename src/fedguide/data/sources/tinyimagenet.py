@@ -10,8 +10,8 @@ Decisions:
 - Label order is the sorted wnids (the order of an image-folder reader over ``train/``), not wnids.txt's.
 - A class name is the first synonym in words.txt ("goldfish" for "goldfish, Carassius auratus"); the wnid
   itself when words.txt is absent.
-- Greyscale JPEGs (a few dozen in train) are converted to RGB.
-- ``image_size`` other than 64 resizes every image with PIL's bilinear filter while reading.
+- Images are listed and decoded like every image-file source (see ``_images``): greyscale JPEGs (a few
+  dozen in train) become RGB; an ``image_size`` other than 64 resizes them (bilinear, from the full image).
 - Normalisation: mean (0.4802, 0.4481, 0.3975), std (0.2302, 0.2265, 0.2262), the commonly used statistics.
 - Memory: the 110k images are held in memory; at 64x64 the float32 tensors take about 5.4 GB
   (4.9 GB train), plus a 1.4 GB uint8 copy while loading. Lower image_size to shrink both.
@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 from pydantic import Field
 
-from fedguide.data.sources._files import (RawImages, corrupt, fetch_archive, find_or_fetch, read_rgb_stack, read_text,
-                                          to_splits)
+from fedguide.data.sources._files import corrupt, fetch_archive, find_or_fetch, has_paths, read_text
+from fedguide.data.sources._images import RawImages, decode_images, list_images, to_splits
 from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams
 
 URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
@@ -34,18 +34,11 @@ SUBFOLDERS = (FOLDER, f"tinyimagenet/{FOLDER}", "tinyimagenet", "")
 LAYOUT = (f"{FOLDER}/{{wnids.txt, words.txt, train/<wnid>/images/*.JPEG, val/images/*.JPEG, "
           "val/val_annotations.txt}} (unpacked tiny-imagenet-200.zip)")
 MEAN, STD = (0.4802, 0.4481, 0.3975), (0.2302, 0.2265, 0.2262)
-IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
 TITLE = "Tiny ImageNet"
 
 
 class TinyImageNetParams(SourceParams):
     image_size: int = Field(64, ge=8, le=512, description="side of the square images; 64 is the native size")
-
-
-def _probe(folder: Path) -> Optional[Path]:
-    needed = (folder / "wnids.txt", folder / "val" / "val_annotations.txt")
-    ok = all(p.is_file() for p in needed) and (folder / "train").is_dir() and (folder / "val" / "images").is_dir()
-    return folder if ok else None
 
 
 def class_names(folder: Path, wnids: list[str]) -> list[str]:
@@ -58,7 +51,8 @@ def class_names(folder: Path, wnids: list[str]) -> list[str]:
 
 
 def read_tinyimagenet(root: Optional[str], image_size: int = 64) -> RawImages:
-    folder = find_or_fetch(TITLE, root, "tinyimagenet", SUBFOLDERS, _probe, LAYOUT, URL,
+    folder = find_or_fetch(TITLE, root, "tinyimagenet", SUBFOLDERS,
+                           has_paths(("wnids.txt", "val/val_annotations.txt"), ("train", "val/images")), LAYOUT, URL,
                            fetch_archive(URL, "tiny-imagenet-200.zip"))
     wnids = sorted({w.strip() for w in read_text(folder / "wnids.txt", TITLE, LAYOUT).split() if w.strip()})
     if not wnids:
@@ -68,7 +62,7 @@ def read_tinyimagenet(root: Optional[str], image_size: int = 64) -> RawImages:
     train_paths, train_labels = [], []
     for wnid in wnids:
         images = folder / "train" / wnid / "images"
-        paths = sorted(p for p in images.glob("*") if p.suffix.lower() in IMAGE_SUFFIXES) if images.is_dir() else []
+        paths = list_images(images) if images.is_dir() else []
         if not paths:
             raise corrupt(images, TITLE, LAYOUT, f"no training images for class {wnid}")
         train_paths += paths
@@ -89,8 +83,8 @@ def read_tinyimagenet(root: Optional[str], image_size: int = 64) -> RawImages:
         test_labels.append(index[fields[1].strip()])
 
     return RawImages(
-        read_rgb_stack(train_paths, TITLE, LAYOUT, image_size), torch.tensor(train_labels, dtype=torch.int64),
-        read_rgb_stack(test_paths, TITLE, LAYOUT, image_size), torch.tensor(test_labels, dtype=torch.int64),
+        decode_images(train_paths, image_size, LAYOUT), torch.tensor(train_labels, dtype=torch.int64),
+        decode_images(test_paths, image_size, LAYOUT), torch.tensor(test_labels, dtype=torch.int64),
         class_names(folder, wnids))
 
 

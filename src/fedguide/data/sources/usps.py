@@ -22,8 +22,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fedguide.data.sources._files import (RawImages, check_lengths, corrupt, fetch_files, find_or_fetch,
-                                          labels_int64, to_splits)
+from fedguide.data.sources._files import check_lengths, corrupt, fetch_files, find_or_fetch, labels_int64
+from fedguide.data.sources._images import RawImages, to_splits
 from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams
 from fedguide.registry import ConfigError
 
