@@ -218,8 +218,15 @@ class Experiment:
         rounds = self.cfg.train.rounds
         t_run = time.perf_counter()
         task = self.progress.add_task("rounds", total=rounds, completed=start - 1) if self.progress else None
-        clients = (WorkerPool(self.p, self.run_dir, workers, self.threads, ctx.layout.numel) if workers > 1
-                   else InProcess(ctx, method, self.cfg))
+        if self.cfg.runtime.name == "flower-sim":
+            from fedguide.fl.flower import FlowerClients
+
+            clients = FlowerClients(self.cfg, self.run_dir, ctx.num_clients)
+            torch.set_num_threads(clients.threads)  # the server evaluates with the actors' thread count
+            self.workers, self.threads = clients.actors, clients.threads
+        else:
+            clients = (WorkerPool(self.p, self.run_dir, workers, self.threads, ctx.layout.numel) if workers > 1
+                       else InProcess(ctx, method, self.cfg))
         try:
             for r in range(start, rounds + 1):
                 global_w, m = self._round(r, ctx, method, clients, global_w)
