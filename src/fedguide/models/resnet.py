@@ -8,6 +8,13 @@ from fedguide.models.registry import MODELS, ModelSpec
 from fedguide.models.split import HeadParams, SplitModel, assemble
 
 
+def shortcut(c_in: int, c_out: int, stride: int) -> nn.Module:
+    """Identity, or a strided 1x1 projection where the block changes shape."""
+    if stride == 1 and c_in == c_out:
+        return nn.Sequential()
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+
 class BasicBlock(nn.Module):
     def __init__(self, c_in: int, c_out: int, stride: int):
         super().__init__()
@@ -16,9 +23,7 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(c_out)
         self.relu = nn.ReLU(inplace=True)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+        self.shortcut = shortcut(c_in, c_out, stride)
 
     def forward(self, x):
         out = self.relu(self.bn1(self.conv1(x)))

@@ -26,7 +26,7 @@ from pydantic import Field
 from torch import nn
 
 from fedguide.models.registry import MODELS, ModelSpec
-from fedguide.models.resnet import BasicBlock
+from fedguide.models.resnet import BasicBlock, shortcut
 from fedguide.models.split import HeadParams, SplitModel, assemble
 from fedguide.registry import ConfigError
 
@@ -65,9 +65,7 @@ class Bottleneck(nn.Module):
         self.conv3 = nn.Conv2d(width, c_out, 1, bias=False)
         self.bn3 = nn.BatchNorm2d(c_out)
         self.relu = nn.ReLU(inplace=True)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+        self.shortcut = shortcut(c_in, c_out, stride)
 
     def forward(self, x):
         out = self.relu(self.bn1(self.conv1(x)))
