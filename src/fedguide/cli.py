@@ -85,6 +85,8 @@ def _run_one(config_path: Path, overrides: list[str], run_dir: Optional[Path], d
 def cmd_run(args) -> int:
     console = _console()
     grid = _sweep_grid(args.sweep or [])
+    if args.rebuild:
+        args.overrides = list(args.overrides) + ["guidance.rebuild=true"]
     run_dirs = []
     for combo in grid:
         run_dir = args.out
@@ -177,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
                      help="run every combination (repeatable), then print a comparison table")
     run.add_argument("--quiet", action="store_true")
+    run.add_argument("--rebuild", action="store_true",
+                     help="recompute cached guidance features instead of reusing them (guidance.rebuild=true)")
     run.set_defaults(func=cmd_run)
 
     res = sub.add_parser("resume", help="continue an interrupted run from its last checkpoint")

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fedguide.guidance.config import GuidanceConfig
 from fedguide.registry import ConfigError
 
 
@@ -78,6 +79,7 @@ class Config(Strict):
     clients: ClientsConfig = ClientsConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     train: TrainConfig = TrainConfig()
+    guidance: GuidanceConfig = GuidanceConfig()
     regularizers: list[Union[str, dict[str, Any]]] = Field(
         default_factory=list, description="terms added to any method's local objective, e.g. [dw]")
     seed: int = 0

@@ -1,0 +1,209 @@
+"""GuidanceModel: one frozen text-to-image latent diffusion model and what the methods ask of it.
+
+It holds the diffusers/transformers components (VAE, UNet, text encoder + tokenizer, the scheduler's
+config, optionally a CLIP image encoder and the unCLIP image-noising parts) and exposes the few
+operations every diffusion-guided method is built from: text and image encoding, noising, one UNet
+prediction with any conditioning, x̂₀ from ε, decoding. Feature hooks (hooks.py), fused features
+(fused.py) and samplers (samplers.py) are built on these.
+
+Conventions: images are float tensors in [-1, 1], shape [B, 3, H, W]; latents are the VAE's latents
+already multiplied by its ``scaling_factor`` (0.18215 for SD-1.5), as the UNet was trained on them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from fedguide.registry import ConfigError
+
+
+@dataclass
+class TextEmbedding:
+    tokens: torch.Tensor  # [B, L, H] cross-attention context
+    pooled: torch.Tensor  # [B, H] one vector per prompt
+    mask: torch.Tensor  # [B, L] 1 for real tokens
+
+    def repeat(self, n: int) -> "TextEmbedding":
+        return TextEmbedding(self.tokens.repeat_interleave(n, 0), self.pooled.repeat_interleave(n, 0),
+                             self.mask.repeat_interleave(n, 0))
+
+    def index(self, idx: torch.Tensor | Sequence[int]) -> "TextEmbedding":
+        idx = torch.as_tensor(idx, device=self.tokens.device, dtype=torch.long)
+        return TextEmbedding(self.tokens[idx], self.pooled[idx], self.mask[idx])
+
+
+class GuidanceModel:
+    def __init__(self, unet, text_encoder, tokenizer, scheduler_config: dict, vae=None, image_encoder=None,
+                 image_normalizer=None, image_noising_scheduler=None, model_id: str = "",
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.unet = self._frozen(unet)
+        self.text_encoder = self._frozen(text_encoder)
+        self.vae = self._frozen(vae) if vae is not None else None
+        self.image_normalizer = self._frozen(image_normalizer) if image_normalizer is not None else None
+        self.image_noising_scheduler = image_noising_scheduler
+        self.image_encoder = image_encoder
+        self.tokenizer = tokenizer
+        self.scheduler_config = dict(scheduler_config)
+        self.model_id = model_id
+        from diffusers import DDPMScheduler
+
+        # The noise schedule of training, for noising and x̂₀; samplers build their own stepping scheduler.
+        self.noise_scheduler = DDPMScheduler.from_config(self.scheduler_config)
+        self._alphas = self.noise_scheduler.alphas_cumprod.to(self.device, torch.float32)
+        self._text_cache: dict[tuple[str, ...], TextEmbedding] = {}
+
+    @classmethod
+    def from_config(cls, cfg) -> "GuidanceModel":
+        from fedguide.guidance.loading import load_guidance
+
+        return load_guidance(cfg)
+
+    def _frozen(self, module):
+        # Cast only when needed: diffusers warns on a dtype cast of a model loaded in its dtype.
+        module.to(self.device)
+        if any(p.dtype != self.dtype for p in module.parameters()):
+            module.to(dtype=self.dtype)
+        module.eval()
+        module.requires_grad_(False)
+        return module
+
+    # --- facts -------------------------------------------------------------------------------------
+    @property
+    def context_dim(self) -> int:
+        return int(self.unet.config.cross_attention_dim)
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.unet.config.in_channels)
+
+    @property
+    def latent_size(self) -> int:
+        return int(self.unet.config.sample_size)
+
+    @property
+    def image_size(self) -> int:
+        return self.latent_size * self.vae_scale
+
+    @property
+    def vae_scale(self) -> int:
+        if self.vae is None:
+            return 1
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def scaling_factor(self) -> float:
+        return float(self.vae.config.scaling_factor) if self.vae is not None else 1.0
+
+    @property
+    def num_train_timesteps(self) -> int:
+        return int(self.noise_scheduler.config.num_train_timesteps)
+
+    @property
+    def is_unclip(self) -> bool:
+        return self.unet.config.class_embed_type == "projection" and self.image_normalizer is not None
+
+    def alpha_bar(self, t: torch.Tensor | int) -> torch.Tensor:
+        t = torch.as_tensor(t, device=self.device, dtype=torch.long)
+        return self._alphas[t]
+
+    # --- text --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_text(self, prompts: Sequence[str]) -> TextEmbedding:
+        """Token embeddings (the cross-attention context) and a pooled vector per prompt (cached)."""
+        key = tuple(prompts)
+        if key not in self._text_cache:
+            max_len = min(self.tokenizer.model_max_length,
+                          getattr(self.text_encoder.config, "max_position_embeddings", 10 ** 6))
+            enc = self.tokenizer(list(prompts), padding="max_length", max_length=max_len, truncation=True,
+                                 return_tensors="pt").to(self.device)
+            out = self.text_encoder(input_ids=enc.input_ids, attention_mask=enc.attention_mask)
+            tokens = out.last_hidden_state.to(self.dtype)
+            mask = enc.attention_mask.to(self.dtype)
+            pooled = getattr(out, "pooler_output", None)
+            if pooled is None or pooled.shape[-1] != tokens.shape[-1]:
+                # Sentence encoders (MiniLM) pool by the mean over real tokens.
+                pooled = (tokens * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
+            if tokens.shape[-1] != self.context_dim:
+                raise ConfigError(f"the text encoder's hidden size {tokens.shape[-1]} differs from the UNet's "
+                                  f"cross_attention_dim {self.context_dim}; use the pipeline's own text encoder")
+            self._text_cache[key] = TextEmbedding(tokens, pooled.to(self.dtype), mask)
+        return self._text_cache[key]
+
+    def empty_text(self, n: int) -> TextEmbedding:
+        return self.encode_text([""]).repeat(n)
+
+    # --- images and latents ------------------------------------------------------------------------
+    def _check_images(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 4 or x.shape[1] not in (1, 3):
+            raise ConfigError(f"images must be [B, 3, H, W] in [-1, 1], got shape {tuple(x.shape)}")
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)  # grey-scale datasets (MNIST, FMNIST) as RGB
+        size = self.image_size
+        if x.shape[-1] != size or x.shape[-2] != size:
+            x = F.interpolate(x.float(), size=(size, size), mode="bilinear", align_corners=False)
+        return x.to(self.device, self.dtype)
+
+    def encode_image(self, x: torch.Tensor, sample: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+        """VAE latents times the VAE's scaling factor; the posterior mean unless ``sample``."""
+        if self.vae is None:
+            raise ConfigError("this guidance model has no VAE (vae/ folder); latent features need one")
+        dist = self.vae.encode(self._check_images(x)).latent_dist
+        latents = dist.sample(generator) if sample else dist.mean
+        return latents * self.scaling_factor
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (scaled) -> images in [-1, 1]; differentiable (classifier guidance backpropagates it)."""
+        if self.vae is None:
+            raise ConfigError("this guidance model has no VAE (vae/ folder) to decode with")
+        return self.vae.decode(latents.to(self.dtype) / self.scaling_factor).sample.clamp(-1, 1)
+
+    def add_noise(self, latents: torch.Tensor, t: torch.Tensor | int, noise: torch.Tensor | None = None,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q(x_t | x_0) with the pipeline's training schedule; returns (noisy latents, the noise)."""
+        if noise is None:
+            noise = torch.randn(latents.shape, generator=generator, device=generator.device if generator else None,
+                                dtype=latents.dtype).to(latents.device)
+        t = torch.as_tensor(t, device=latents.device, dtype=torch.long).expand(latents.shape[0])
+        return self.noise_scheduler.add_noise(latents, noise, t), noise
+
+    def predict_x0(self, latents: torch.Tensor, t: torch.Tensor | int, eps: torch.Tensor) -> torch.Tensor:
+        """x̂₀ = (x_t − √(1−ᾱ_t) ε) / √ᾱ_t (FedCADO Eq. 3)."""
+        a = self.alpha_bar(t).to(latents.dtype)
+        a = a.view(-1, *([1] * (latents.ndim - 1))) if a.ndim else a
+        return (latents - (1 - a).sqrt() * eps) / a.sqrt()
+
+    # --- conditioning ------------------------------------------------------------------------------
+    def image_condition(self, embeds: torch.Tensor, noise_level: int = 0,
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+        """unCLIP class labels: normalised image embeddings, noised to ``noise_level``, plus its embedding."""
+        if not self.is_unclip:
+            raise ConfigError("image-embedding conditioning needs an unCLIP model (e.g. "
+                              "stabilityai/stable-diffusion-2-1-unclip: a UNet with a projection class embedding "
+                              "and image_normalizer/); this guidance model has none")
+        from diffusers.models.embeddings import get_timestep_embedding
+
+        embeds = embeds.to(self.device, self.dtype)
+        level = torch.full((embeds.shape[0],), noise_level, device=self.device, dtype=torch.long)
+        scaled = self.image_normalizer.scale(embeds)
+        if noise_level > 0:
+            noise = torch.randn(scaled.shape, generator=generator, device=generator.device if generator else None,
+                                dtype=scaled.dtype).to(self.device)
+            scaled = self.image_noising_scheduler.add_noise(scaled, noise, level)
+        embeds = self.image_normalizer.unscale(scaled)
+        level_emb = get_timestep_embedding(level, embeds.shape[-1], flip_sin_to_cos=True, downscale_freq_shift=0)
+        return torch.cat([embeds, level_emb.to(embeds.dtype)], dim=1)
+
+    def eps(self, latents: torch.Tensor, t: torch.Tensor | int, context: torch.Tensor,
+            class_labels: Optional[torch.Tensor] = None, **unet_kwargs: Any) -> torch.Tensor:
+        """One UNet noise prediction ε_θ(x_t, t | context[, class labels])."""
+        t = torch.as_tensor(t, device=self.device)
+        if t.ndim == 0:
+            t = t.expand(latents.shape[0])
+        out = self.unet(latents.to(self.dtype), t, encoder_hidden_states=context.to(self.dtype),
+                        class_labels=class_labels, **unet_kwargs)
+        return out.sample
