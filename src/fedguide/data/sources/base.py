@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from fedguide.registry import Registry
+from fedguide.registry import ConfigError, Registry
 
 
 @dataclass
@@ -27,11 +27,22 @@ class DatasetSplits:
     train_domains: Optional[torch.Tensor] = None
     test_domains: Optional[torch.Tensor] = None
     domain_names: Optional[list[str]] = None
+    # The per-channel (or scalar) mean and std the images were standardised with, so frozen image models
+    # (guidance) can see the pixels again; None where a source does not declare them.
+    pixel_stats: Optional[tuple[Any, Any]] = None
 
     def __post_init__(self) -> None:
         has = [self.train_domains is not None, self.test_domains is not None, self.domain_names is not None]
         if any(has) and not all(has):
             raise ValueError("train_domains, test_domains and domain_names come together or not at all")
+
+    def unit_images(self, x: torch.Tensor) -> torch.Tensor:
+        """Standardised images back to [0, 1] (what image models expect before their own preprocessing)."""
+        if self.pixel_stats is None:
+            raise ConfigError("this dataset source does not declare the pixel statistics it normalised with "
+                              "(DatasetSplits.pixel_stats); set them in the source to use guidance models on it")
+        mean, std = (torch.as_tensor(v, dtype=x.dtype).reshape(1, -1, 1, 1) for v in self.pixel_stats)
+        return (x * std + mean).clamp(0, 1)
 
     @property
     def num_classes(self) -> int:

@@ -161,6 +161,7 @@ def load_digits_domains(params: DigitsDomainsParams) -> DatasetSplits:
         train_domains=ids(1),
         test_domains=ids(3),
         domain_names=list(DOMAIN_NAMES),
+        pixel_stats=(MEAN, STD),
     )
 
 

@@ -84,4 +84,5 @@ def load_fmnist(params: SourceParams) -> DatasetSplits:
         test_x=normalise(torch.from_numpy(arrays["test_x"].copy()), MEAN, STD),
         test_y=torch.from_numpy(arrays["test_y"].astype(np.int64)),
         class_names=list(CLASS_NAMES),
+        pixel_stats=(MEAN, STD),
     )
