@@ -50,7 +50,7 @@ def test_offline_hub_id_fails_fast_naming_a_folder(monkeypatch, tmp_path):
 
 def test_bad_sources_name_the_fix(tiny_sd, tmp_path):
     with pytest.raises(GuidanceLoadError, match="needs a guidance model"):
-        load_guidance(GuidanceConfig())
+        load_guidance(GuidanceConfig(model=None))
     with pytest.raises(GuidanceLoadError, match="neither a folder nor a hub id"):
         load_guidance(GuidanceConfig(model="./missing/folder"))
     broken = shutil.copytree(tiny_sd, tmp_path / "broken")

@@ -23,6 +23,16 @@ def stratified_fraction(labels: np.ndarray, fraction: float, rng: np.random.Gene
     return np.sort(np.concatenate(keep))
 
 
+def public_pool(labels: np.ndarray, fraction: float, public_seed: int) -> np.ndarray:
+    """The stratified public pool of ``data.public_fraction``: fixed by ``public_seed``, not the run seed, so
+    every run (and the embedded guidance models' pretraining) holds out the same samples."""
+    from fedguide.fl.seeding import numpy_rng
+
+    if fraction <= 0:
+        return np.empty(0, np.int64)
+    return stratified_fraction(labels, fraction, numpy_rng(public_seed, "public"))
+
+
 @dataclass
 class ClientData:
     """One client's view: indices into the shared tensors; no copy is made per client or per round."""

@@ -20,7 +20,7 @@ import yaml
 
 import fedguide
 from fedguide.config import SECTION_KEYS, Config, build_config, to_yaml
-from fedguide.data.federated import FederatedData, stratified_fraction
+from fedguide.data.federated import FederatedData, public_pool, stratified_fraction
 from fedguide.data.partition import PARTITIONS
 from fedguide.data.scenarios import make_scenario
 from fedguide.data.sources import DATASETS
@@ -102,10 +102,8 @@ def prepare(cfg: Config) -> Prepared:
     splits = DATASETS.get(cfg.data.name).obj(params["data"])
     labels = splits.train_y.numpy()
     pool = np.arange(len(labels))
-    public = np.empty(0, np.int64)
-    if cfg.data.public_fraction > 0:
-        public = stratified_fraction(labels, cfg.data.public_fraction, numpy_rng(cfg.data.public_seed, "public"))
-        pool = np.setdiff1d(pool, public)
+    public = public_pool(labels, cfg.data.public_fraction, cfg.data.public_seed)
+    pool = np.setdiff1d(pool, public)
     used = pool[stratified_fraction(labels[pool], cfg.data.fraction, numpy_rng(cfg.seed, "data"))]
     domains = splits.train_domains.numpy()[used] if splits.train_domains is not None else None
     part = make_scenario(cfg.partition.name, cfg.partition.params_dict(), labels[used], cfg.clients.num,

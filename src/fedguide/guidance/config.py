@@ -12,9 +12,9 @@ class GuidanceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: Optional[str] = Field(
-        None, description="SD-layout pipeline: a hub id (runwayml/stable-diffusion-v1-5, "
-                          "stabilityai/stable-diffusion-2-1, stabilityai/stable-diffusion-2-1-unclip) or a local "
-                          "folder of the same layout; null = no guidance model")
+        "embedded", description="SD-layout pipeline: 'embedded' (fedguide's own small trained models, offline), a "
+                                "hub id (runwayml/stable-diffusion-v1-5, stabilityai/stable-diffusion-2-1, "
+                                "stabilityai/stable-diffusion-2-1-unclip) or a local folder of the same layout")
     revision: Optional[str] = Field(None, description="hub revision (branch, tag or commit) of a hub id")
     image_encoder: Optional[str] = Field(
         None, description="CLIP image encoder: a hub id or folder of a CLIPModel (zero-shot available) or a "

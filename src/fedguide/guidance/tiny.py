@@ -42,6 +42,11 @@ def build_tiny_pipeline(folder: Path | str, seed: int = 0, image_size: int = 32,
     from diffusers import AutoencoderKL, DDPMScheduler, PNDMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPVisionConfig, CLIPVisionModelWithProjection
 
+    import diffusers
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.disable_progress_bar()
     folder = Path(folder)
     torch.manual_seed(seed)
     tok = _tokenizer(folder / "tokenizer", max_length)
