@@ -54,6 +54,10 @@ def _run_one(config_path: Path, overrides: list[str], run_dir: Optional[Path], d
 
     prepared = prepare(load_config(config_path, overrides))
     cfg = prepared.config
+    if cfg.runtime.name == "flower" and not dry_run:
+        raise ConfigError("runtime.name=flower runs on a Flower deployment: start 'fedguide serve CONFIG' and "
+                          "one 'fedguide client --partition-id I CONFIG' per client (README \"Running on several "
+                          "machines\")")
     if dry_run:
         print(to_yaml(cfg), end="")
         print("partition summary: " + json.dumps(prepared.data.summary()))
@@ -109,7 +113,10 @@ def cmd_resume(args) -> int:
     if (run_dir / "summary.json").exists():
         console.print(f"{run_dir} is already complete (summary.json exists); nothing to resume")
         return 0
-    prepared = prepare(load_run_config(run_dir))
+    cfg = load_run_config(run_dir)
+    if cfg.runtime.name == "flower":
+        raise ConfigError(f"{run_dir} ran on a Flower deployment; continue it with: fedguide serve --resume {run_dir}")
+    prepared = prepare(cfg)
     progress = _progress(console, args.quiet)
     exp = Experiment(prepared, run_dir, log=(lambda s: None) if args.quiet else console.print, progress=progress)
     if progress:
@@ -118,6 +125,56 @@ def cmd_resume(args) -> int:
     else:
         summary = exp.run(resume=True)
     console.print(f"final accuracy {100 * summary['final_accuracy']:.2f}%  -> {run_dir}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from fedguide.config import load_config
+    from fedguide.fl.engine import resolve
+    from fedguide.fl.flower.deploy import serve
+
+    console = _console()
+    if args.resume:
+        if args.overrides or args.out:
+            raise ConfigError("--resume takes the run directory alone (its config.yaml is the run's config)")
+        run_dir = args.target
+        if (run_dir / "summary.json").exists():
+            console.print(f"{run_dir} is already complete (summary.json exists); nothing to resume")
+            return 0
+        cfg = None
+    else:
+        cfg, _ = resolve(load_config(args.target, args.overrides))  # config errors before any process starts
+        run_dir = args.out or _default_run_dir(args.target, cfg.method.name, cfg.seed)
+        _check_fresh(run_dir)
+    log = (lambda s: None) if args.quiet else (lambda s: console.print(s, markup=False))  # Flower's text, verbatim
+    try:
+        summary = serve(run_dir, cfg, resume=args.resume, host=args.host, log=log)
+    except KeyboardInterrupt:
+        console.print(f"interrupted; continue with: fedguide serve --resume {run_dir}")
+        raise SystemExit(130)
+    except WorkerCrashed as err:
+        hint = f"\ncontinue with: fedguide serve --resume {run_dir}" if (run_dir / "config.yaml").exists() else ""
+        raise WorkerCrashed(f"{err}{hint}") from None
+    console.print(f"final accuracy {100 * summary['final_accuracy']:.2f}%  "
+                  f"(best {100 * summary['best_accuracy']:.2f}% at round {summary['best_round']})  "
+                  f"{summary['wall_seconds']:.0f} s  -> {run_dir}")
+    return 0
+
+
+def cmd_client(args) -> int:
+    from fedguide.config import load_config
+    from fedguide.fl.engine import resolve
+    from fedguide.fl.flower.node import run_client_node
+
+    console = _console()
+    cfg, _ = resolve(load_config(args.config, args.overrides))
+    folder = args.out or Path("runs") / f"flower-client-{args.partition_id}"
+    try:
+        run_client_node(cfg, args.partition_id, folder, superlink=args.superlink,
+                        log=(lambda s: None) if args.quiet else (lambda s: console.print(s, markup=False)))
+    except KeyboardInterrupt:
+        console.print(f"client {args.partition_id} stopped")
+        return 0
     return 0
 
 
@@ -188,6 +245,28 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--quiet", action="store_true")
     res.set_defaults(func=cmd_resume)
 
+    srv = sub.add_parser("serve", help="run an experiment on a Flower deployment: SuperLink + ServerApp "
+                                        "(runtime.name=flower; clients join with 'fedguide client')")
+    srv.add_argument("target", type=Path, help="the YAML config; with --resume, the run directory")
+    srv.add_argument("overrides", nargs="*", help="dotted overrides, e.g. runtime.min_clients=2")
+    srv.add_argument("--out", type=Path, default=None, help="run directory")
+    srv.add_argument("--resume", action="store_true", help="continue the run directory TARGET from its last checkpoint")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address the SuperLink listens on (default 127.0.0.1; 0.0.0.0 for other machines)")
+    srv.add_argument("--quiet", action="store_true")
+    srv.set_defaults(func=cmd_serve)
+
+    cli = sub.add_parser("client", help="serve one client of Flower deployments: SuperNode + ClientApp, "
+                                        "until stopped (Ctrl-C)")
+    cli.add_argument("config", type=Path, help="the server's YAML config (with the same overrides)")
+    cli.add_argument("overrides", nargs="*")
+    cli.add_argument("--partition-id", type=int, required=True, help="this client's id, 0..clients.num-1")
+    cli.add_argument("--superlink", default=None, help="host:port of the SuperLink (default: runtime.superlink)")
+    cli.add_argument("--out", type=Path, default=None,
+                     help="this client's folder: logs, Flower home, client state (default runs/flower-client-I)")
+    cli.add_argument("--quiet", action="store_true")
+    cli.set_defaults(func=cmd_client)
+
     lst = sub.add_parser("list", help="registered methods, datasets, partitions and models")
     lst.add_argument("--json", action="store_true")
     lst.set_defaults(func=cmd_list)
@@ -196,7 +275,23 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dirs", nargs="+", type=Path)
     rep.add_argument("--out", type=Path, default=None)
     rep.set_defaults(func=cmd_report)
+    pre = sub.add_parser("pretrain-guidance", help="train the embedded guidance models (mini SD + mini CLIP) "
+                                                   "from scratch on the embedded datasets' public pools")
+    pre.add_argument("--out", type=Path, required=True, help="folder to write (SD layout + MODEL_CARD.md)")
+    pre.add_argument("--seed", type=int, default=0)
+    pre.add_argument("--unet-steps", dest="unet_steps", type=int, default=None)
+    pre.add_argument("--vae-steps", dest="vae_steps", type=int, default=None)
+    pre.add_argument("--clip-epochs", dest="clip_epochs", type=int, default=None)
+    pre.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    pre.add_argument("--quiet", action="store_true")
+    pre.set_defaults(func=_pretrain_guidance)
     return parser
+
+
+def _pretrain_guidance(args) -> int:
+    from fedguide.guidance.embedded.pretrain import run_from_cli
+
+    return run_from_cli(args)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -205,7 +300,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Overrides may follow options ('run CFG --dry-run method.name=fedprox'); argparse leaves those
     # as unknown arguments, so they are taken here.
     if extra:
-        if args.command != "run" or any(e.startswith("-") for e in extra):
+        if args.command not in ("run", "serve", "client") or any(e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
     try:

@@ -1,6 +1,7 @@
 """One client's part of a round, the same code in the server process and in worker processes."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -30,9 +31,11 @@ def run_client(ctx: RunContext, method: Method, train: TrainConfig, seed: int, r
     torch.manual_seed(derive_seed(seed, "client", round_, client_id))
     t0 = time.perf_counter()
     loss, cctx.steps = train_local(ctx.model, method, cctx, method.local_train(train), torch_generator(seed, "client", round_, client_id))
-    fit_seconds = time.perf_counter() - t0
-    cctx.train_loss = loss
+    if cctx.steps or math.isnan(cctx.train_loss):
+        cctx.train_loss = loss  # a method that trains outside the loop (one-shot clients) reports its own
     upload = method.client_upload(ctx.model, cctx)
+    # The client's whole work: one-shot and inference-only methods do theirs in begin_local/client_upload.
+    fit_seconds = time.perf_counter() - t0
     if cctx.state_dirty:
         ctx.store.put(client_id, round_, cctx.state)
-    return ClientResult(client_id, upload, loss, len(cctx.data), fit_seconds)
+    return ClientResult(client_id, upload, cctx.train_loss, len(cctx.data), fit_seconds)

@@ -187,6 +187,23 @@ class Experiment:
         return record
 
     # ---- the loop -----------------------------------------------------------------------------
+    def make_clients(self, ctx, method, workers: int):
+        """The executor that trains a round's clients (a deployment overrides this with its SuperNodes)."""
+        if self.cfg.runtime.name == "flower":
+            raise ConfigError("runtime.name=flower runs on a Flower deployment: start 'fedguide serve CONFIG' and "
+                              "one 'fedguide client --partition-id I CONFIG' per client (README \"Running on "
+                              "several machines\")")
+        if self.cfg.runtime.name == "flower-sim":
+            from fedguide.fl.flower import FlowerClients
+
+            clients = FlowerClients(self.cfg, self.run_dir, ctx.num_clients)
+            torch.set_num_threads(clients.threads)  # the server evaluates with the actors' thread count
+            self.workers, self.threads = clients.actors, clients.threads
+            return clients
+        if workers > 1:
+            return WorkerPool(self.p, self.run_dir, workers, self.threads, ctx.layout.numel)
+        return InProcess(ctx, method, self.cfg)
+
     def run(self, resume: bool = False) -> dict[str, Any]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ctx, method = self.build_context()
@@ -216,15 +233,7 @@ class Experiment:
         rounds = self.cfg.train.rounds
         t_run = time.perf_counter()
         task = self.progress.add_task("rounds", total=rounds, completed=start - 1) if self.progress else None
-        if self.cfg.runtime.name == "flower-sim":
-            from fedguide.fl.flower import FlowerClients
-
-            clients = FlowerClients(self.cfg, self.run_dir, ctx.num_clients)
-            torch.set_num_threads(clients.threads)  # the server evaluates with the actors' thread count
-            self.workers, self.threads = clients.actors, clients.threads
-        else:
-            clients = (WorkerPool(self.p, self.run_dir, workers, self.threads, ctx.layout.numel) if workers > 1
-                       else InProcess(ctx, method, self.cfg))
+        clients = self.make_clients(ctx, method, workers)
         try:
             for r in range(start, rounds + 1):
                 global_w, m = self._round(r, ctx, method, clients, global_w)

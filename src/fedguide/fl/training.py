@@ -45,6 +45,7 @@ def train_local(
                 break
             if batch.numel() < min_batch:
                 continue
+            ctx.batch_indices = batch
             loss = method.local_loss(model, data.x[batch], data.y[batch], ctx)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -52,6 +52,8 @@ class ClientContext:
     scratch: dict[str, Any] = field(default_factory=dict)  # per-round, never persisted
     state_dirty: bool = False
     steps: int = 0  # optimiser steps taken in this round's local training (set after training)
+    # Global sample indices of the batch ``local_loss`` is called with (per-sample cached features).
+    batch_indices: Any = None
     train_loss: float = float("nan")
 
     def update_state(self, **values: Any) -> None:

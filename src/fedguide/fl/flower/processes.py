@@ -1,0 +1,147 @@
+"""Processes the Flower runtimes start, and how they are stopped: by their own ids, never by name.
+
+Holds the process-tree helpers (Linux /proc), Flower's environment, free local ports and the start of
+a Flower command with its output in a log file.
+
+Decisions:
+- Every Flower command runs with ``FLOWER_ENV`` (no runtime dependency installs, no telemetry, no
+  update check) and its own FLWR_HOME, so nothing is written outside the run's folders; the
+  folder holding the running Python is put first on PATH because Flower starts its helpers
+  (flower-superexec, flwr-serverapp, flwr-clientapp) by name.
+- A started process gets the kernel's parent-death signal (SIGTERM, Linux): if the fedguide
+  process that started it dies, even by SIGKILL, it stops too, and a SuperNode stopped by SIGTERM
+  still tells its SuperLink that it is leaving.
+- ``stop_tree`` collects the whole tree before signalling anything: Flower starts some helpers in
+  a session of their own, and a child whose parent died first would be re-parented out of reach.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+# Read by Flower when it is imported: no dependency installs, no telemetry, no update check.
+FLOWER_ENV = {"FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_TELEMETRY_ENABLED": "0",
+              "FLWR_DISABLE_UPDATE_CHECK": "1", "RAY_USAGE_STATS_ENABLED": "0",
+              "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}  # CPU actors: Ray leaves device variables alone
+
+
+def descendants(pid: int) -> set[int]:
+    """Live descendants of ``pid`` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return set()
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] not in ("Z", "X"):
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return stat[0] not in ("Z", "X")
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def stop_processes(pids: set[int], grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL whatever is left after ``grace_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.time() + grace_s
+        while time.time() < deadline and any(alive(p) for p in pids):
+            time.sleep(0.05)
+        pids = {p for p in pids if alive(p)}
+        if not pids:
+            return
+
+
+def stop_tree(proc: Optional[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Stop ``proc`` and every process under it; reap ``proc``."""
+    if proc is None:
+        return
+    stop_processes(descendants(proc.pid) | {proc.pid}, grace_s)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def flower_env(flwr_home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(FLOWER_ENV)
+    env["FLWR_HOME"] = str(flwr_home)
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def flower_command(name: str) -> str:
+    """The Flower command installed next to the running Python (it is the one that matches it)."""
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else name
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def _parent_death_signal() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def start(args: Sequence[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """Start a command with stdout and stderr appended to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(list(args), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, preexec_fn=_parent_death_signal)
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
