@@ -10,7 +10,7 @@ Prints four numbers and ends with ``gen_text=<f> gen_image=<f> zero_shot=<f> pro
   scale 3, DDIM 20) classified as that image's class by the same CNNs. Bar 0.7.
 - zero_shot: mini-CLIP zero-shot accuracy on the whole Fashion-MNIST test set. Bar 0.7.
 - probe: FedDifRC's fused denoising features (t = 150, decoder layers 2-4, channel PCA fitted on the
-  public pool, mean pooling, d = 128) of the *empty* prompt — a class prompt would hand the probe the
+  public pool, mean pooling, d = 256 as FedDifRC takes it from this model) of the *empty* prompt — a class prompt would hand the probe the
   label — and a logistic-regression probe trained on public-pool features, scored on the Fashion-MNIST
   test set. Bar 0.8.
 With ``--write-card`` the numbers and two PNG grids (one row per class: text-conditioned; conditioning
@@ -78,7 +78,9 @@ def train_reference(ds, epochs: int = 20, seed: int = 0) -> RefCNN:
     model = RefCNN(len(ds["classes"]))
     opt = torch.optim.AdamW(model.parameters(), 2e-3, weight_decay=5e-4)
     x, y = ds["pub_x"], ds["pub_y"]
-    steps = epochs * max(1, len(x) // 128)
+    # At least 600 steps: digits_domains' public pool is ~430 images, and 20 epochs of it (60 steps)
+    # leave a judge too weak to score anything.
+    steps = max(epochs * max(1, len(x) // 128), 600 if epochs > 1 else 1)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, 2e-3, total_steps=steps)
     gen = torch.Generator().manual_seed(seed)
     model.train()
@@ -140,7 +142,8 @@ def probe(gm, ds, seed: int) -> float:
     from sklearn.preprocessing import StandardScaler
 
     layers = ("up.1", "up.2", "up.3")
-    feats = DiffusionFeatures(gm, FeatureSpec(layers, t=150, noise_seed=seed), FusedFeatures(layers, d=128, seed=seed))
+    # d = 256: what FedDifRC's fused_dim=auto takes from this model's decoder layers 2-4 (128/128/64 channels).
+    feats = DiffusionFeatures(gm, FeatureSpec(layers, t=150, noise_seed=seed), FusedFeatures(layers, d=256, seed=seed))
     pub_x, test_x = ds["pub_x"], ds["test_x"]
     fit = np.random.default_rng(seed).choice(len(pub_x), min(2000, len(pub_x)), replace=False)
     feats.fit(pub_x[fit], [""] * len(fit), fit, batch_size=250)

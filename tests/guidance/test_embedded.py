@@ -1,0 +1,123 @@
+"""The embedded guidance models: shipped files, loading offline by default, and their pretraining."""
+import hashlib
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from fedguide.guidance.config import GuidanceConfig
+from fedguide.guidance.embedded import SHIPPED
+from fedguide.guidance.model import GuidanceModel
+
+
+def card_hashes(folder):
+    block = re.search(r"## Files \(sha256\)\s*```\n(.*?)```", (folder / "MODEL_CARD.md").read_text(), re.S)
+    assert block, "MODEL_CARD.md has no sha256 block"
+    return dict(reversed(line.split("  ", 1)) for line in block.group(1).strip().splitlines())
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return GuidanceModel.from_config(GuidanceConfig())
+
+
+def test_shipped_files_match_the_model_card():
+    listed = card_hashes(SHIPPED)
+    present = {p.relative_to(SHIPPED).as_posix() for p in SHIPPED.rglob("*") if p.is_file() and p.name != "MODEL_CARD.md"}
+    assert set(listed) == present
+    for name, digest in listed.items():
+        assert hashlib.sha256((SHIPPED / name).read_bytes()).hexdigest() == digest, name
+    assert sum((SHIPPED / n).stat().st_size for n in present) <= 40 * 2 ** 20
+
+
+def test_embedded_is_the_default_and_loads_offline(embedded):
+    assert GuidanceConfig().model == "embedded"
+    m = embedded
+    assert m.image_conditioning == "token" and m.context_dim == 384
+    assert (m.latent_channels, m.latent_size, m.image_size) == (4, 8, 32)
+    assert m.model_id.startswith("embedded@")
+    emb = m.encode_text(["a photo of a sneaker", "a photo of a 3"])
+    assert emb.tokens.shape == (2, 17, 384) and emb.pooled.shape == (2, 384)
+    assert torch.equal(emb.tokens[:, -1], torch.zeros(2, 384))  # the empty image slot
+    x = torch.rand(2, 1, 28, 28) * 2 - 1
+    assert m.encode_image(x).shape == (2, 4, 8, 8)
+    assert m.decode(m.encode_image(x)).shape == (2, 3, 32, 32)
+
+
+def test_image_token_and_zero_shot(embedded):
+    m = embedded
+    x = torch.rand(3, 3, 32, 32) * 2 - 1
+    emb = m.image_encoder.embed(x)
+    assert emb.shape == (3, 384)
+    context, labels = m.condition_inputs(m.encode_text(["a"] * 3).tokens, emb)
+    assert labels is None and context.shape == (3, 17, 384)
+    torch.testing.assert_close(context[:, -1].norm(dim=-1), torch.full((3,), m.image_token_scale))
+    scores = m.image_encoder.zero_shot(x, ["a photo of a bag", "a photo of a trouser"])
+    assert scores.shape == (3, 2) and scores.abs().max() <= 1 + 1e-5
+
+
+def test_pretrain_writes_a_loadable_sd_layout(tmp_path):
+    from fedguide.data.federated import public_pool
+    from fedguide.guidance.embedded.pretrain import PretrainSettings, load_pool, pretrain
+
+    settings = PretrainSettings(max_per_class=3, clip_epochs=1, clip_batch=16, vae_steps=2, vae_batch=8,
+                                unet_steps=2, unet_batch=8, unet_channels=(16, 16, 16, 16))
+    pool = load_pool(settings)
+    assert len(pool.images) == 60 and pool.images.shape[1:] == (3, 32, 32)
+    assert pool.images.min() >= -1 and pool.images.max() <= 1 and len(pool.prompts) == 20
+    out = pretrain(tmp_path / "models", settings, quiet=True, threads=1)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+    for name, digest in card_hashes(out).items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
+    m = GuidanceModel.from_config(GuidanceConfig(model=str(out)))
+    assert m.image_conditioning == "token" and m.unet.config.block_out_channels == [16, 16, 16, 16]
+    assert m.unet.dtype == torch.float32  # stored in fp16, cast to the run's dtype
+
+
+def test_the_pool_is_the_runs_public_slice():
+    """A run with data.public_fraction 0.1 (public_seed 0) never gives a client an image the models saw."""
+    from fedguide.config import build_config
+    from fedguide.fl.engine import prepare
+    from fedguide.guidance.embedded.pretrain import PretrainSettings, load_pool
+
+    prepared = prepare(build_config({"data": {"name": "digits_domains", "public_fraction": 0.1},
+                                     "partition": {"name": "iid"}, "clients": {"num": 3, "per_round": 3}}))
+    public = prepared.data.public_indices
+    pool = load_pool(PretrainSettings())
+    digits = next(s for s in pool.slices if s["dataset"] == "digits_domains")
+    assert digits["indices_sha256"] == hashlib.sha256(np.asarray(public, np.int64).tobytes()).hexdigest()
+    clients = np.concatenate([c for c in prepared.data.client_indices])
+    assert not np.intersect1d(clients, public).size
+
+
+def test_a_killed_pretraining_resumes_to_the_same_models(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from fedguide.guidance.embedded import pretrain as pt
+
+    settings = pt.PretrainSettings(max_per_class=2, clip_epochs=1, clip_batch=16, vae_steps=2, vae_batch=8,
+                                   unet_steps=4, unet_batch=8, unet_channels=(16, 16, 16, 16), checkpoint_every=2)
+    clean = pt.pretrain(tmp_path / "clean", settings, quiet=True, threads=1)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pt, "write_card", killed)
+    with pytest.raises(KeyboardInterrupt):
+        pt.pretrain(tmp_path / "resumed", settings, quiet=True, threads=1)
+    partial = tmp_path / ".resumed.partial"
+    assert {"clip.pt", "vae.pt", "unet.pt"} <= {p.name for p in partial.iterdir()}
+    monkeypatch.undo()
+    calls = []
+    for stage in ("train_clip", "train_vae"):
+        monkeypatch.setattr(pt, stage, lambda *a, stage=stage, **k: calls.append(stage))
+    resumed = pt.pretrain(tmp_path / "resumed", settings, quiet=True, threads=1)
+    assert calls == [] and not partial.exists()
+    log = [json.loads(line) for line in (resumed / "train_log.jsonl").read_text().splitlines()]
+    assert {"stage": "unet", "resumed_at": 2} == {k: log_row[k] for log_row in log if "resumed_at" in log_row
+                                                    for k in ("stage", "resumed_at")}
+    for part in ("unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"):
+        a, b = load_file(clean / part), load_file(resumed / part)
+        assert all(torch.equal(a[k], b[k]) for k in a), part
