@@ -11,7 +11,9 @@ Each file reproduces one column family of a paper's table. For every file this c
 - every ``fedguide run`` command in the header names this file and every run of its sweep grid
   validates too, so the documented commands cannot name an unregistered method or a wrong key;
 - a scenario that leaves the clients unlabeled, paired with a method that trains on client labels,
-  is declared not runnable in the header.
+  is declared not runnable in the header;
+- the config runs its paper's own method, at least one documented run keeps it, and a diffusion
+  paper's config names the paper's guidance model and says how to run offline on the embedded ones.
 """
 from __future__ import annotations
 
@@ -35,6 +37,12 @@ PAPERS = {"feddifrc": "FedDifRC", "semanticfl": "SemanticFL", "feddw": "FedDW", 
           "feddisc": "FedDISC"}
 REPRODUCES = re.compile(r"^Reproduces:.*\b(Table|Fig\.)\s+[0-9IVX]+")
 COMMAND = re.compile(r"^\s*fedguide run (.*)$")
+# The method each paper proposes, and the guidance model its paper names (None: no diffusion model).
+OWN_METHOD = {"feddifrc": "feddifrc", "semanticfl": "semanticfl", "feddw": "feddw", "fedcado": "fedcado",
+              "feddisc": "feddisc"}
+PAPER_GUIDANCE = {"feddifrc": "runwayml/stable-diffusion-v1-5", "semanticfl": "runwayml/stable-diffusion-v1-5",
+                  "fedcado": "runwayml/stable-diffusion-v1-5", "feddisc": "stabilityai/stable-diffusion-2-1-unclip",
+                  "feddw": None}
 
 
 def header_lines(path: Path) -> list[str]:
@@ -119,6 +127,22 @@ def test_header_commands_validate(path: Path):
         assert any("method.name=" in "".join(r) for r in runs), f"{path.name}: no method sweep in the header"
     for overrides in runs:
         resolve(load_config(path, overrides))
+
+
+@pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
+def test_config_runs_its_papers_method_and_guidance(path: Path):
+    paper = path.name.split("_")[0]
+    cfg = load_config(path)
+    own = OWN_METHOD[paper]
+    assert cfg.method.name == own, f"{path.name}: method {cfg.method.name}, not its paper's {own}"
+    switches = [[o for o in run if o.startswith("method.name=")] for run in documented_runs(path)]
+    assert any(not s or s[-1] == f"method.name={own}" for s in switches), \
+        f"{path.name}: no documented run keeps the paper's method {own}"
+    if PAPER_GUIDANCE[paper] is not None:
+        assert cfg.guidance.model == PAPER_GUIDANCE[paper], \
+            f"{path.name}: guidance.model {cfg.guidance.model}, not the paper's {PAPER_GUIDANCE[paper]}"
+        assert "guidance.model=embedded" in "\n".join(header_lines(path)), \
+            f"{path.name}: the header does not say how to run offline (guidance.model=embedded)"
 
 
 def test_header_commands_are_parsed(tmp_path):

@@ -1,0 +1,167 @@
+"""FedDifRC and SemanticFL against the label-shift baselines on Fashion-MNIST, on the embedded guidance models.
+
+Base config: configs/feddifrc_fmnist.yaml (a quarter of the client pool, the public slice held out, 10
+clients, the CNN, 20 rounds of E = 1, full participation so every method of a seed trains on the same
+partition and the same clients each round). Scenarios: Dirichlet 0.05, Dirichlet 0.2, NID2 (9 single-class
+clients + 1 holding every class, 10 clients) and long tail rho = 10 with Dirichlet 0.2 on top. Methods:
+FedAvg, MOON, FedRCL (when registered), FedDifRC (fused features lifted from 256 dims into the CNN's 512,
+see the config), SemanticFL; seeds 0-2.
+
+Outputs, under benchmarks/results/diffusion_methods/:
+- ``<scenario>/`` the ``fedguide report`` of its runs (table with final and best accuracy, curves);
+- ``table.md``: final accuracy mean ± sample std over the seeds, per scenario and method, and the gain
+  over FedAvg;
+- ``overhead.md``: per scenario and seed, the mean round time of FedDifRC and SemanticFL divided by
+  FedAvg's from this same suite (target <= 1.2; the paper's FedDifRC costs 1.48x FedAvg), with the
+  one-off feature extraction (their setup, before round 1) reported separately;
+- ``README.md``: the command and the machine.
+
+Resumable: a finished run (summary.json) is kept; an interrupted one resumes from its last checkpoint;
+feature caches are shared through guidance.feature_cache, so each seed's features are extracted once
+(the Dirichlet and NID2 scenarios train on the same samples; the long tail on a subset, extracted apart).
+
+    .venv/bin/python benchmarks/diffusion_methods_suite.py [--out runs/diffusion_methods] [--seeds 0 1 2]
+        [--scenarios dir0.05 dir0.2 nid2 lt10] [--methods fedavg moon fedrcl feddifrc semanticfl]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs/feddifrc_fmnist.yaml"
+RESULTS = REPO / "benchmarks" / "results" / "diffusion_methods"
+SCENARIOS = {
+    "dir0.05": ["partition.alpha=0.05"],
+    "dir0.2": ["partition.alpha=0.2"],
+    "nid2": ["partition.name=nid2", "partition.n_biased=9", "partition.n_unbiased=1"],
+    "lt10": ["partition.name=longtail", "partition.rho=10",
+             "partition.then={name: dirichlet, alpha: 0.2, min_size: 10}"],
+}
+METHODS = {
+    "fedavg": ["method.name=fedavg"],
+    "moon": ["method.name=moon"],
+    "fedrcl": ["method.name=fedrcl"],
+    "feddifrc": ["method.name=feddifrc", "method.fused_dim=256"],
+    "semanticfl": ["method.name=semanticfl"],
+}
+GUIDED = ("feddifrc", "semanticfl")
+
+
+def registered() -> set[str]:
+    out = subprocess.run([sys.executable, "-m", "fedguide.cli", "list", "--json"], check=True, cwd=REPO,
+                         capture_output=True, text=True).stdout
+    return {m["name"] for m in json.loads(out)["methods"]}
+
+
+def run(out: Path, overrides: list[str]) -> Path:
+    if not (out / "summary.json").exists():
+        if (out / "checkpoints").is_dir():
+            cmd = ["resume", str(out), "--quiet"]
+        else:
+            cmd = ["run", str(CONFIG), "--quiet", "--out", str(out), *overrides]
+        subprocess.run([sys.executable, "-m", "fedguide.cli", *cmd], check=True, cwd=REPO)
+    final = json.loads((out / "summary.json").read_text())["final_accuracy"]
+    print(f"{out.parent.name}/{out.name:<16} final {100 * final:.2f}%", flush=True)
+    return out
+
+
+def summary(path: Path) -> dict:
+    return json.loads((path / "summary.json").read_text())
+
+
+def extraction_seconds(path: Path, method: str) -> float | None:
+    record = path / "guidance" / f"{method}.json"
+    return json.loads(record.read_text()).get("setup_seconds") if record.is_file() else None
+
+
+def mean_std(values: list[float]) -> str:
+    if not values:
+        return "—"
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{100 * statistics.mean(values):.2f} ± {100 * std:.2f}"
+
+
+def write_tables(runs: dict, scenarios: list[str], methods: list[str], seeds: list[int]) -> None:
+    lines = ["# Final accuracy (%), mean ± sample std over seeds " + ", ".join(map(str, seeds)), "",
+             "| scenario | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    gains = ["", "## Gain over FedAvg (points, mean over seeds, paired on each seed's partition)", "",
+             "| scenario | " + " | ".join(m for m in methods if m != "fedavg") + " |",
+             "|---|" + "---|" * (len(methods) - 1)]
+    for sc in scenarios:
+        finals = {m: [summary(runs[sc, m, s])["final_accuracy"] for s in seeds if (sc, m, s) in runs] for m in methods}
+        lines.append(f"| {sc} | " + " | ".join(mean_std(finals[m]) for m in methods) + " |")
+        cells = []
+        for m in methods:
+            if m == "fedavg":
+                continue
+            paired = [summary(runs[sc, m, s])["final_accuracy"] - summary(runs[sc, "fedavg", s])["final_accuracy"]
+                      for s in seeds if (sc, m, s) in runs and (sc, "fedavg", s) in runs]
+            cells.append(f"{100 * statistics.mean(paired):+.2f}" if paired else "—")
+        gains.append(f"| {sc} | " + " | ".join(cells) + " |")
+    (RESULTS / "table.md").write_text("\n".join(lines + gains) + "\n")
+
+    rows = ["# Round time relative to FedAvg (same suite, same machine)", "",
+            "Mean round seconds of the method divided by FedAvg's on the same scenario and seed",
+            "(target <= 1.2).",
+            "Extraction: the method's one-off setup (PCA fit and feature extraction, before round 1; only",
+            "loading when the features came from the cache of an earlier run on the same samples).", "",
+            "| scenario | seed | method | round s | FedAvg round s | ratio | extraction s |",
+            "|---|---|---|---|---|---|---|"]
+    for sc in scenarios:
+        for s in seeds:
+            if (sc, "fedavg", s) not in runs:
+                continue
+            base = summary(runs[sc, "fedavg", s])["mean_round_seconds"]
+            for m in GUIDED:
+                if (sc, m, s) in runs:
+                    own = summary(runs[sc, m, s])["mean_round_seconds"]
+                    extract = extraction_seconds(runs[sc, m, s], m)
+                    rows.append(f"| {sc} | {s} | {m} | {own:.2f} | {base:.2f} | {own / base:.2f} | "
+                                f"{'—' if extract is None else f'{extract:.1f}'} |")
+    (RESULTS / "overhead.md").write_text("\n".join(rows) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "diffusion_methods")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--cache", type=Path, default=None, help="guidance.feature_cache (default: the usual cache)")
+    args = ap.parse_args()
+    known = registered()
+    methods = [m for m in args.methods if m in known]
+    skipped = sorted(set(args.methods) - set(methods))
+    if skipped:
+        print(f"not registered, skipped: {', '.join(skipped)}", flush=True)
+    cache = [f"guidance.feature_cache={args.cache}"] if args.cache else []
+    runs = {}
+    for seed in args.seeds:  # seed-major: each seed's features are extracted once, early
+        for sc in args.scenarios:
+            for m in methods:
+                runs[sc, m, seed] = run(args.out / sc / f"{m}-s{seed}", SCENARIOS[sc] + METHODS[m] + cache +
+                                        [f"seed={seed}"])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for sc in args.scenarios:
+        paths = [str(runs[sc, m, s]) for m in methods for s in args.seeds]
+        subprocess.run([sys.executable, "-m", "fedguide.cli", "report", *paths, "--out", str(RESULTS / sc)],
+                       check=True, cwd=REPO)
+    write_tables(runs, args.scenarios, methods, args.seeds)
+    argv = [".venv/bin/python", "benchmarks/diffusion_methods_suite.py", *sys.argv[1:]]
+    command = " ".join(shlex.quote(a) for a in argv)
+    (RESULTS / "README.md").write_text(
+        "# FedDifRC and SemanticFL vs label-shift baselines, Fashion-MNIST, embedded guidance models\n\n"
+        f"Made with (on {platform.machine()}, {platform.system()}, Python {platform.python_version()}):\n\n"
+        f"    {command}\n\nBase config: configs/feddifrc_fmnist.yaml. Tables: table.md (accuracy), overhead.md "
+        "(round time vs FedAvg, extraction apart); per-scenario reports in the sub-folders.\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""FedDISC against its baselines (papers/feddisc.md Table 1) in two semi-supervised settings, seeds 0-2:
+
+- digits (configs/feddisc_digits.yaml): the server holds the uci domain of digits_domains labeled, the
+  fonts and mnistm_like domains are two unlabeled clients; a client's accuracy is its domain's test accuracy.
+- fmnist (configs/feddisc_fmnist.yaml): the public pool of Fashion-MNIST is the server's labeled set,
+  5 unlabeled Dirichlet(0.5) clients; a client's accuracy is the test accuracy reweighted to its class
+  mix (Σ_c n_kc·acc_c / n_k, the test set being balanced).
+
+Methods: feddisc, centroid_finetune and zero_shot (one round), fedavg_sm, semifl and rscfed
+(``--rounds``, 30 by default; the paper runs 30, 500 and 100). ``--ablations`` adds, on seed 0 and the
+first setting given: Table 4 (no domain features, random features instead of centroids) and the L and R
+sweeps of Tables 2-3 (L = 3, 5, 10 for feddisc and centroid_finetune; R = 3, 5, 10).
+
+Resumable: a run directory with summary.json is kept; one with a checkpoint is continued with
+``fedguide resume``; anything else is started afresh. Results land in benchmarks/results/feddisc/<setting>/:
+table.md (per-client and average accuracy, mean ± std over seeds), privacy.json and feddisc_samples.png of
+seed 0, ablations.md, and ``fedguide report`` of every run (report/).
+
+    .venv/bin/python benchmarks/feddisc_suite.py [--out runs/feddisc] [--settings digits fmnist] [--ablations]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {"digits": REPO / "configs/feddisc_digits.yaml", "fmnist": REPO / "configs/feddisc_fmnist.yaml"}
+ONE_SHOT = ("feddisc", "centroid_finetune", "zero_shot")
+MULTI_ROUND = ("fedavg_sm", "semifl", "rscfed")
+SWEEP = (3, 5, 10)
+RESULTS = REPO / "benchmarks" / "results" / "feddisc"
+
+
+def run(config: Path, out: Path, overrides: list[str]) -> Path:
+    """The finished run directory of ``config`` with ``overrides``: kept, resumed or started."""
+    if not (out / "summary.json").exists():
+        if (out / "checkpoints").is_dir() and (out / "config.yaml").is_file():
+            subprocess.run([sys.executable, "-m", "fedguide.cli", "resume", str(out), "--quiet"], check=True, cwd=REPO)
+        else:
+            if out.exists():
+                shutil.rmtree(out)
+            subprocess.run([sys.executable, "-m", "fedguide.cli", "run", str(config), "--quiet", "--out", str(out),
+                            *overrides], check=True, cwd=REPO)
+    final = json.loads((out / "summary.json").read_text())["final_accuracy"]
+    print(f"{out.parent.name}/{out.name:<36} final {100 * final:.2f}%", flush=True)
+    return out
+
+
+def client_accuracies(run_dir: Path) -> list[float]:
+    """Each client's accuracy: its domain's (one domain per client) or its class mix's."""
+    partition = json.loads((run_dir / "partition.json").read_text())
+    last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()][-1]
+    domains = partition.get("domain_counts")
+    if domains and all(max(row) >= 0.99 * sum(row) for row in domains):
+        names = partition["domain_names"]
+        return [last["domain_accuracy"][names[max(range(len(row)), key=row.__getitem__)]] for row in domains]
+    acc = last["class_accuracy"]
+    return [sum(n * (a or 0.0) for n, a in zip(row, acc)) / sum(row) for row in partition["counts"]]
+
+
+def client_names(run_dir: Path) -> list[str]:
+    partition = json.loads((run_dir / "partition.json").read_text())
+    domains = partition.get("domain_counts")
+    if domains and all(max(row) >= 0.99 * sum(row) for row in domains):
+        return [partition["domain_names"][max(range(len(row)), key=row.__getitem__)] for row in domains]
+    return [f"client{k}" for k in range(len(partition["counts"]))]
+
+
+def mean_std(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{100 * values[0]:.2f}"
+    return f"{100 * statistics.fmean(values):.2f} ± {100 * statistics.stdev(values):.2f}"
+
+
+def table(rows: dict[str, list[Path]]) -> str:
+    """Markdown: one row per method, one column per client and the average, mean ± std over seeds."""
+    first = next(iter(rows.values()))[0]
+    names = client_names(first)
+    lines = ["| method | rounds | " + " | ".join(names) + " | average |", "|---" * (len(names) + 3) + "|"]
+    for method, dirs in rows.items():
+        per_seed = [client_accuracies(d) for d in dirs]
+        rounds = json.loads((dirs[0] / "summary.json").read_text())["rounds"]
+        cells = [mean_std([s[k] for s in per_seed]) for k in range(len(names))]
+        cells.append(mean_std([statistics.fmean(s) for s in per_seed]))
+        lines.append(f"| {method} | {rounds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "feddisc")
+    ap.add_argument("--settings", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--rounds", type=int, default=30, help="rounds of the multi-round baselines")
+    ap.add_argument("--ablations", action="store_true", help="Table 4 and the L/R sweeps on seed 0")
+    args = ap.parse_args()
+    for i, setting in enumerate(args.settings):
+        config, root, dest = CONFIGS[setting], args.out / setting, RESULTS / setting
+        dest.mkdir(parents=True, exist_ok=True)
+        rows: dict[str, list[Path]] = {}
+        for method in ONE_SHOT + MULTI_ROUND:
+            rounds = 1 if method in ONE_SHOT else args.rounds
+            rows[method] = [run(config, root / f"{method}-s{seed}",
+                                [f"seed={seed}", f"method.name={method}", f"train.rounds={rounds}"])
+                            for seed in args.seeds]
+        (dest / "table.md").write_text(table(rows))
+        seed0 = rows["feddisc"][0]
+        for name in ("privacy.json", "feddisc_samples.png"):
+            if (seed0 / name).is_file():
+                shutil.copy(seed0 / name, dest / name)
+        runs = [d for dirs in rows.values() for d in dirs]
+        if args.ablations and i == 0:
+            s0 = [f"seed={args.seeds[0]}", "train.rounds=1"]
+            ablation = {
+                "feddisc": [rows["feddisc"][0]],
+                "feddisc, no domain features": [run(config, root / "ablation-no-domain", s0 + [
+                    "method.name=feddisc", "method.use_domain_features=false"])],
+                "feddisc, random features": [run(config, root / "ablation-random", s0 + [
+                    "method.name=feddisc", "method.random_centroids=true"])],
+            }
+            for value in SWEEP:
+                for method in ("feddisc", "centroid_finetune"):
+                    ablation[f"{method}, L={value}"] = [run(config, root / f"{method}-L{value}", s0 + [
+                        f"method.name={method}", f"method.num_centroids={value}"])]
+                ablation[f"feddisc, R={value}"] = [run(config, root / f"feddisc-R{value}", s0 + [
+                    "method.name=feddisc", f"method.images_per_centroid={value}"])]
+            (dest / "ablations.md").write_text(table(ablation))
+            runs += [d for dirs in ablation.values() for d in dirs]
+        subprocess.run([sys.executable, "-m", "fedguide.cli", "report", *map(str, runs), "--out", str(dest / "report")],
+                       check=True, cwd=REPO)
+        print((dest / "table.md").read_text(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Feature alignment to a pretrained image encoder by L2: the comparison rows of FedDifRC's Table 8.
+
+A baseline, not FedDifRC: local objective L = CE + λ·mean_i ‖z_i − P e(x_i)‖², with e the guidance
+model's image encoder (the embedded mini CLIP by default; ``guidance.image_encoder`` picks another) and
+P a fixed, seeded linear map from e's dim to z's (Gaussian / √D, never trained); server: FedAvg.
+``normalize: true`` aligns the L2-normalised z with the L2-normalised P e instead.
+
+Decisions
+- e(x) does not depend on the model: computed once on the server for every sample a client trains on,
+  cached in the FeatureStore (key: the pipeline's fingerprint, which covers its own image encoder, plus
+  ``guidance.image_encoder`` when another is named) and looked up by the batch's global sample indices.
+- λ = 1 and the raw form by default: the paper states "aligned by L2 loss" and no weight.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedguide.guidance.shared import feature_store, guidance_model
+from fedguide.guidance.store import FeatureKey
+from fedguide.methods._diffusion_features import (GuidanceRecord, RowLookup, cached_features, digest,
+                                                  guidance_images, lookup, timed, training_rows)
+from fedguide.methods.base import METHODS, Method
+from fedguide.registry import ConfigError
+
+
+class AlignFeaturesParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lam: float = Field(1.0, ge=0.0, description="weight of the L2 alignment term")
+    normalize: bool = Field(False, description="align L2-normalised z and P e")
+    extract_batch: int = Field(64, ge=1)
+    seed: int = Field(0, ge=0, description="seed of the fixed map P")
+
+
+def alignment_loss(z: torch.Tensor, target: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+    """Batch mean of ‖z_i − target_i‖² (of the L2-normalised vectors with ``normalize``)."""
+    if normalize:
+        z, target = F.normalize(z, dim=1), F.normalize(target, dim=1)
+    return (z - target).square().sum(dim=1).mean()
+
+
+@METHODS.register("align_features", params=AlignFeaturesParams)
+class AlignFeatures(Method):
+    """CE + λ‖z − P e(x)‖² with e a pretrained image encoder (FedDifRC Table 8 baseline), FedAvg."""
+
+    def setup(self):
+        p, run = self.params, self.run
+        cfg = run.config
+        model = guidance_model(cfg.guidance)
+        encoder = model.image_encoder
+        if encoder is None:
+            raise ConfigError("align_features needs an image encoder: the guidance pipeline has none; set "
+                              "guidance.image_encoder to a CLIP hub id or folder (or use guidance.model=embedded)")
+        z_dim = int(run.model.feature_dim)
+        self.map = torch.randn(z_dim, encoder.dim, generator=torch.Generator().manual_seed(p.seed)) / encoder.dim ** 0.5
+        rows = training_rows(run)
+        self._rows = RowLookup(rows)
+        record = GuidanceRecord(run, "align_features")
+        key = FeatureKey(model=model.model_id, dataset=cfg.data.name, split="train", fraction=cfg.data.fraction,
+                         seed=0, recipe={"role": "image_encoder", "dim": encoder.dim,
+                                         "image_encoder": cfg.guidance.image_encoder or "pipeline",
+                                         "data": cfg.data.model_dump(mode="json"),
+                                         "samples": digest(rows), "num_samples": int(len(rows))})
+
+        def embed(b):
+            with torch.no_grad():
+                return encoder.embed(guidance_images(run, b)).float().cpu()
+
+        store = feature_store(cfg.guidance)
+        self._embeds, seconds = timed(lambda: cached_features(store, key, rows, embed, p.extract_batch,
+                                                              cfg.guidance.rebuild and record.first,
+                                                              "image encoder features"))
+        record.note("image_features", {"folder": str(store.path(key)), "seconds": round(seconds, 3),
+                                       "shape": list(self._embeds.shape)})
+        record.write()
+
+    def local_loss(self, model, x, y, ctx):
+        z, logits = model.forward_features(x)
+        loss = F.cross_entropy(logits, y)
+        if self.params.lam > 0:
+            target = lookup(self._embeds, self._rows(ctx.batch_indices)) @ self.map.T
+            loss = loss + self.params.lam * alignment_loss(z, target.to(z.device, z.dtype), self.params.normalize)
+        return loss

@@ -1,0 +1,410 @@
+"""FedDifRC (papers/feddifrc.md): diffusion representations steering local training.
+
+Local objective (Eq. 14): L = L_CE + λ_TDCL·L_TDCL + λ_NDCR·L_NDCR (λ = 1 in the paper); server: FedAvg.
+
+- Fused diffusion features (Eq. 8): the UNet's decoder blocks L ∈ ``layers`` (default {2, 3, 4} of 4;
+  L = 1 is the lowest resolution, hook ``up.{L-1}``), a channel PCA per layer (d/2, d/4, d/4 of d by
+  default, ``dims`` to choose), spatial pooling (``pool``), concatenation to d = the encoder's z dim, so
+  that z and the features are comparable (FusedFeatures in guidance/fused.py).
+- TDCL (Eq. 10-11): conditional representations F̃_i^c of image x_i at timestep 0 under every prompt
+  "a photo of a {class c}"; positive = the true class, negatives = the others.
+  s(z, F) = cos(z, F) / U with U = mean_m ‖z_m − F‖₂, and
+  L_TDCL = log(1 + Σ_neg exp(s_neg/τ) / exp(s_pos/τ)) = cross-entropy of s/τ with the positive as target.
+- NDCR (Eq. 9, 12): H̃_i = fused features of x_i noised to t (150) under the true-class prompt;
+  L_NDCR = Σ_q (z_iq − H̃_iq)², averaged over the batch.
+- Self-supervised variant (Sec. 4.3, ``self_supervised: true``): positive prompt "a photo of a similar
+  object", negatives "a photo of a {name}" for names of a public class vocabulary, NDCR prompt "a photo
+  of a visual object", loss L_TDCL + L_NDCR (no cross-entropy, no label used in training); evaluated by
+  a linear probe on the frozen encoder: a logistic regression (scikit-learn) fitted on the encoder
+  features of a seeded subset of the training pool, scored on the test set (``accuracy`` and
+  ``probe_accuracy``).
+
+Decisions (SPEC "FedDifRC"; each is an option, default first)
+- ``condition_refresh: never``: F̃ computed once per sample and class prompt without the model condition
+  and cached (the paper's own 1.48x FedAvg wall time is only consistent with stored features, and the
+  released code loads precomputed ones). ``round``: the paper's literal variant: once per round, each
+  participating client recomputes F̃ for all its samples and every prompt with c_i = h(x_i) of the
+  global encoder it received (eval mode), injected per ``condition_mode`` (``append``: one extra
+  context token through a fixed seeded ConditionMap from z's dim to the text hidden size; ``add``: added
+  to every token, as the released code; ``none``), batched; its cost is reported per round as
+  ``condition_seconds`` and ``condition_unet_images`` (summed over the round's clients).
+  ``every_k``: a client recomputes when its last refresh is ``refresh_every`` or more rounds old (kept in
+  its own state), else reuses it.
+- The PCA bases (one for TDCL at t = 0, one for NDCR at t) are fitted once on the server on the public
+  pool when ``data.public_fraction > 0``, else on a seeded sample of the clients' training images (the
+  run's guidance record says which), saved in the run directory and shared by every client. TDCL's basis
+  is fitted on maps without the client condition (no trained encoder exists at setup); the released code
+  refits PCA on every batch, which gives inconsistent bases, and is not reproduced.
+- U is estimated on the current mini-batch and detached (the all-samples mean is O(n²) per step).
+  One U per target vector F (Eq. 10 defines it for F̃_i; negatives use their own F̃_j).
+- ``ndcr_form: mse_normalized``: Eq. 12 on L2-normalised z and H̃ (scale-free; default);
+  ``mse_raw``: Eq. 12 literally; ``kl``: the released code's KL(softmax(Ĥ) ‖ softmax(ẑ)) of the
+  normalised vectors, batch mean.
+- d: the fused features have z's dim. When the chosen layers cannot give that many (a layer's PCA
+  gives at most its channel count; the embedded UNet's decoder layers 2-4 have 128, 128, 64 channels,
+  so at most 256 with the halving split), setup raises a ConfigError naming the fixes: ``fused_dim``
+  (the features are lifted into z's space by a fixed seeded map with orthonormal columns, which keeps
+  their norms, distances and cosines), ``model.feature_dim`` or ``dims``. ``fused_dim: auto`` takes the
+  most the layers give (at most z's dim) and lifts when that is fewer.
+- Self-supervised negatives: a seeded draw of ``negatives`` names from ``vocabulary`` (default the 100
+  CIFAR-100 class names; the paper draws from Tiny-ImageNet's or CIFAR-100's), the same for every
+  sample: per-sample draws would cost the same UNet passes but one cached context set per sample.
+- ``seed`` seeds the features' noise (per sample index), the PCA, the condition map, the lift and the
+  vocabulary draw.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fedguide.guidance.condition import ConditionMap
+from fedguide.guidance.features import DiffusionFeatures, FeatureSpec
+from fedguide.guidance.fused import FusedFeatures, layer_dims
+from fedguide.guidance.hooks import decoder_layer
+from fedguide.guidance.shared import PROMPT, class_prompts, feature_store, guidance_model
+from fedguide.methods._diffusion_features import (GuidanceRecord, RowLookup, block_channels, cached_features,
+                                                  digest, feature_key, fit_basis, fit_sample, guidance_images,
+                                                  in_batches, lookup, prompt_maps, prompt_vectors, timed,
+                                                  training_rows)
+from fedguide.methods.base import METHODS, Method
+from fedguide.registry import ConfigError
+
+SIMILAR_PROMPT = "a photo of a similar object"
+VISUAL_PROMPT = "a photo of a visual object"
+# CIFAR-100's class names: the public vocabulary of the self-supervised variant's negatives.
+CIFAR100_NAMES = (
+    "apple aquarium_fish baby bear beaver bed bee beetle bicycle bottle bowl boy bridge bus butterfly camel can "
+    "castle caterpillar cattle chair chimpanzee clock cloud cockroach couch crab crocodile cup dinosaur dolphin "
+    "elephant flatfish forest fox girl hamster house kangaroo keyboard lamp lawn_mower leopard lion lizard lobster "
+    "man maple_tree motorcycle mountain mouse mushroom oak_tree orange orchid otter palm_tree pear pickup_truck "
+    "pine_tree plain plate poppy porcupine possum rabbit raccoon ray road rocket rose sea seal shark shrew skunk "
+    "skyscraper snail snake spider squirrel streetcar sunflower sweet_pepper table tank telephone television tiger "
+    "tractor train trout tulip turtle wardrobe whale willow_tree wolf woman worm"
+).split()
+
+
+class FedDifRCParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tdcl: bool = Field(True, description="Text-driven Diffusion Contrastive Learning (Table 1 ablation)")
+    ndcr: bool = Field(True, description="Noise-driven Diffusion Consistent Restriction (Table 1 ablation)")
+    lambda_tdcl: float = Field(1.0, ge=0.0, description="weight of L_TDCL (paper: 1)")
+    lambda_ndcr: float = Field(1.0, ge=0.0, description="weight of L_NDCR (paper: 1)")
+    tau: float = Field(0.06, gt=0.0, description="TDCL temperature (Fig. 6 right)")
+    t: int = Field(150, ge=1, description="NDCR noise timestep (Fig. 6 left)")
+    layers: list[int] = Field([2, 3, 4], min_length=1, description="decoder layers L (1 = lowest resolution); "
+                                                                   "one layer = Table 2's single-layer rows")
+    dims: Optional[list[int]] = Field(None, description="per-layer PCA dims summing to d; null = d/2, d/4, ...")
+    # auto by default: SD-1.5's decoder layers give the paper's d = 512 exactly; a smaller guidance model
+    # (the embedded one gives 256) is lifted into z's space instead of refusing to run.
+    fused_dim: Union[Annotated[int, Field(ge=1)], Literal["auto"], None] = Field(
+        "auto", description="dims of the fused features; auto = the most the layers give, at most z's dim; "
+                            "null = z's dim exactly; fewer than z's: lifted into z's space by a fixed orthonormal map")
+    pool: Literal["mean", "l2"] = Field("mean", description="spatial pooling of each layer's reduced map")
+    ndcr_form: Literal["mse_normalized", "mse_raw", "kl"] = "mse_normalized"
+    condition_refresh: Literal["never", "round", "every_k"] = Field(
+        "never", description="never = conditional features cached once without the model condition; round = "
+                             "recomputed per round per participating client with h(x) of the global encoder")
+    refresh_every: int = Field(5, ge=1, description="condition_refresh=every_k: rounds a refresh is reused")
+    condition_mode: Literal["append", "add", "none"] = Field(
+        "append", description="how h(x) enters the UNet context when refreshed (never uses none)")
+    self_supervised: bool = Field(False, description="Sec. 4.3: TDCL + NDCR without labels, linear-probe evaluation")
+    negatives: int = Field(9, ge=1, description="self-supervised: vocabulary names drawn as negative prompts")
+    vocabulary: Optional[list[str]] = Field(None, description="self-supervised negatives' names; null = CIFAR-100's")
+    probe_samples: int = Field(2000, ge=10, description="self-supervised: training images the linear probe fits on")
+    fit_samples: int = Field(1000, ge=2, description="images the PCA bases are fitted on")
+    samples_per_image: int = Field(64, ge=1, description="spatial positions per image and layer in the PCA fit")
+    extract_batch: int = Field(32, ge=1, description="images per UNet batch (times the prompts per image)")
+    seed: int = Field(0, ge=0, description="noise, PCA, condition map, lift and vocabulary seed")
+
+    @model_validator(mode="after")
+    def _check(self) -> "FedDifRCParams":
+        if self.self_supervised and not (self.tdcl or self.ndcr):
+            raise ValueError("self_supervised trains on TDCL + NDCR alone; keep tdcl or ndcr on")
+        if any(level < 1 for level in self.layers) or len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"layers {self.layers}: decoder layers are 1, 2, ... (1 = lowest resolution), each once")
+        return self
+
+
+# ---- the losses ------------------------------------------------------------------------------------
+def tdcl_similarity(z: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Eq. 10: s[i, p] = cos(z_i, F_ip) / U_ip, U_ip = mean_m ‖z_m − F_ip‖₂ over the batch (detached)."""
+    batch, per_sample, dim = targets.shape
+    with torch.no_grad():
+        distance = torch.cdist(targets.reshape(batch * per_sample, dim).float(), z.detach().float())
+        spread = distance.mean(dim=1).reshape(batch, per_sample).clamp_min(1e-12).to(z.dtype)
+    return F.cosine_similarity(z.unsqueeze(1), targets, dim=-1) / spread
+
+
+def tdcl_loss(z: torch.Tensor, targets: torch.Tensor, positive: torch.Tensor, tau: float) -> torch.Tensor:
+    """Eq. 11, batch mean: log(1 + Σ_neg e^{s_neg/τ} / e^{s_pos/τ}) = logsumexp(s/τ) − s_pos/τ."""
+    return F.cross_entropy(tdcl_similarity(z, targets) / tau, positive)
+
+
+def ndcr_loss(z: torch.Tensor, target: torch.Tensor, form: str = "mse_normalized") -> torch.Tensor:
+    """Eq. 12, batch mean of Σ_q (z_q − H_q)² (``mse_raw``), on L2-normalised vectors (``mse_normalized``),
+    or KL(softmax(Ĥ) ‖ softmax(ẑ)) of the normalised vectors (``kl``)."""
+    if form == "mse_raw":
+        return (z - target).square().sum(dim=1).mean()
+    z_hat, h_hat = F.normalize(z, dim=1), F.normalize(target, dim=1)
+    if form == "mse_normalized":
+        return (z_hat - h_hat).square().sum(dim=1).mean()
+    if form == "kl":
+        return F.kl_div(F.log_softmax(z_hat, dim=1), F.log_softmax(h_hat, dim=1), reduction="batchmean",
+                        log_target=True)
+    raise ConfigError(f"unknown ndcr_form '{form}'; use mse_normalized, mse_raw or kl")
+
+
+def orthonormal_lift(in_dim: int, out_dim: int, seed: int) -> torch.Tensor:
+    """[out_dim, in_dim] with orthonormal columns: x -> lift @ x keeps norms, distances and cosines."""
+    gaussian = torch.randn(out_dim, in_dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.linalg.qr(gaussian).Q.float()
+
+
+def linear_probe(train_features: np.ndarray, train_labels: np.ndarray, test_features: np.ndarray,
+                 test_labels: np.ndarray, seed: int = 0) -> float:
+    """Test accuracy of a logistic regression on standardised frozen features."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    probe = make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000, random_state=seed))
+    probe.fit(train_features, train_labels)
+    return float(probe.score(test_features, test_labels))
+
+
+def max_halving_dim(channels: list[int], limit: int) -> int:
+    """The largest d <= limit whose halving split over these layers fits every layer's channels."""
+    for d in range(min(limit, sum(channels)), 0, -1):
+        try:
+            split = layer_dims(d, len(channels))
+        except ConfigError:
+            continue
+        if all(s <= c for s, c in zip(split, channels)):
+            return d
+    return 0
+
+
+@METHODS.register("feddifrc", params=FedDifRCParams)
+class FedDifRC(Method):
+    """FedDifRC: CE + TDCL (conditional diffusion features) + NDCR (denoising diffusion features), FedAvg."""
+
+    def __init__(self, params: FedDifRCParams, run):
+        super().__init__(params, run)
+        self.z_dim = int(run.model.feature_dim)
+        self.fused_dim = self.z_dim if params.fused_dim in (None, "auto") else params.fused_dim  # auto: in setup
+        if self.fused_dim > self.z_dim:
+            raise ConfigError(f"method.fused_dim={self.fused_dim} exceeds z's {self.z_dim} dims; the features can "
+                              "only be lifted into z's space, not projected out of it: lower fused_dim")
+        self.lift = None
+        self.refresh = params.condition_refresh if params.tdcl else "never"
+        if params.self_supervised:
+            vocabulary = [name.replace("_", " ") for name in (params.vocabulary or CIFAR100_NAMES)]
+            if len(vocabulary) < params.negatives:
+                raise ConfigError(f"method.negatives={params.negatives} but the vocabulary has {len(vocabulary)} "
+                                  "names; lower negatives or give a longer vocabulary")
+            draw = np.random.default_rng(np.random.SeedSequence([params.seed, 0x55])).choice(
+                len(vocabulary), params.negatives, replace=False)
+            self.tdcl_prompts = [SIMILAR_PROMPT] + [PROMPT.format(vocabulary[i].lower()) for i in sorted(draw)]
+            self.ndcr_prompts = [VISUAL_PROMPT]
+        else:
+            self.tdcl_prompts = class_prompts(run.data.splits.class_names)
+            self.ndcr_prompts = list(self.tdcl_prompts)
+        self._stats = {"condition_seconds": 0.0, "condition_unet_images": 0}
+        self._probe_model = None
+
+    # ---- server: bases and cached features ----------------------------------------------------------
+    def _recipe(self, layers: tuple[str, ...]) -> FusedFeatures:
+        p = self.params
+        return FusedFeatures(layers, d=self.fused_dim, dims=p.dims, pool=p.pool,
+                             samples_per_image=p.samples_per_image, seed=p.seed)
+
+    def _check_capacity(self, model, layers: tuple[str, ...]) -> None:
+        channels = [block_channels(model.unet, name) for name in layers]
+        if any(c is None for c in channels):
+            return  # a layout this cannot read: the fit reports a mismatch itself
+        if self.params.fused_dim == "auto":
+            dims = self.params.dims
+            self.fused_dim = min(self.z_dim, sum(dims)) if dims else max_halving_dim(channels, self.z_dim)
+        split = layer_dims(self.fused_dim, len(layers), self.params.dims)
+        if all(s <= c for s, c in zip(split, channels)):
+            return
+        best = max_halving_dim(channels, self.z_dim)
+        raise ConfigError(
+            f"FedDifRC: fused features of {self.fused_dim} dims split {split} over decoder layers "
+            f"{self.params.layers} ({list(layers)}), which have {channels} channels: a layer's PCA gives at most "
+            f"its channels. Fix: method.fused_dim={best} (the features are lifted into z's {self.z_dim} dims by a "
+            f"fixed orthonormal map), or model.feature_dim={best} (cnn, mlp), or method.dims=[...] with at most "
+            f"{channels} per layer, summing to d")
+
+    def _positive_ids(self, indices: np.ndarray) -> torch.Tensor:
+        if self.params.self_supervised:
+            return torch.zeros(len(indices), 1, dtype=torch.long)
+        return self.run.data.splits.train_y[torch.as_tensor(indices, dtype=torch.long)].unsqueeze(1)
+
+    def setup(self):
+        p, run = self.params, self.run
+        if not (p.tdcl or p.ndcr):
+            return  # plain cross-entropy: nothing to extract
+        cfg = run.config
+        model, store = guidance_model(cfg.guidance), feature_store(cfg.guidance)
+        record = GuidanceRecord(run, "feddifrc")
+        rebuild = cfg.guidance.rebuild and record.first
+        layers = tuple(decoder_layer(level) for level in p.layers)
+        self._check_capacity(model, layers)
+        if self.fused_dim < self.z_dim:
+            self.lift = orthonormal_lift(self.fused_dim, self.z_dim, p.seed)
+        record.note("fused_dim", self.fused_dim)
+        rows = training_rows(run)
+        self._rows = RowLookup(rows)
+        fit_idx, fit_source = fit_sample(run, p.fit_samples, p.seed)
+        record.note("basis_fit", fit_source, f"FedDifRC: PCA bases fitted on {fit_source}")
+        record.note("condition_refresh", self.refresh)
+        fit_desc = {"data": cfg.data.model_dump(mode="json"), "samples": digest(fit_idx), "count": int(len(fit_idx))}
+
+        def fit_batches(feats, tokens):
+            return lambda: (prompt_maps(feats, guidance_images(run, b), b, tokens, self._positive_ids(b))
+                            for b in in_batches(fit_idx, p.extract_batch))
+
+        if p.tdcl:
+            mode = "none" if self.refresh == "never" else p.condition_mode
+            cmap = ConditionMap(self.z_dim, model.context_dim, p.seed) if mode != "none" else None
+            spec = FeatureSpec(layers, t=0, noise_seed=p.seed, condition_mode=mode, extra={"role": "tdcl"})
+            self.tdcl_feats = DiffusionFeatures(model, spec, self._recipe(layers), cmap)
+            self.tdcl_tokens = model.encode_text(tuple(self.tdcl_prompts)).tokens
+            fitted = fit_basis(self.tdcl_feats, "feddifrc_tdcl", run, store, {**fit_desc, "prompts": self.tdcl_prompts},
+                               fit_batches(self.tdcl_feats, self.tdcl_tokens), len(fit_idx), rebuild)
+            record.note("tdcl_basis_fitted", fitted)
+            if self.refresh == "never":
+                key = feature_key(self.tdcl_feats, run, rows, prompts=self.tdcl_prompts, per_sample="every prompt")
+                every = torch.arange(len(self.tdcl_prompts))
+
+                def tdcl_rows(b):
+                    return prompt_vectors(self.tdcl_feats, guidance_images(run, b), b, self.tdcl_tokens,
+                                          every.expand(len(b), -1))
+
+                self._tdcl, seconds = timed(lambda: cached_features(
+                    store, key, rows, tdcl_rows, p.extract_batch, rebuild, "FedDifRC conditional features"))
+                record.note("tdcl_features", {"folder": str(store.path(key)), "seconds": round(seconds, 3),
+                                              "shape": list(self._tdcl.shape)})
+        if p.ndcr:
+            spec = FeatureSpec(layers, t=p.t, noise_seed=p.seed, extra={"role": "ndcr"})
+            self.ndcr_feats = DiffusionFeatures(model, spec, self._recipe(layers))
+            tokens = model.encode_text(tuple(self.ndcr_prompts)).tokens
+            fitted = fit_basis(self.ndcr_feats, "feddifrc_ndcr", run, store, {**fit_desc, "prompts": self.ndcr_prompts},
+                               fit_batches(self.ndcr_feats, tokens), len(fit_idx), rebuild)
+            record.note("ndcr_basis_fitted", fitted)
+            key = feature_key(self.ndcr_feats, run, rows, prompts=self.ndcr_prompts,
+                              per_sample="visual object" if p.self_supervised else "true class")
+
+            def ndcr_rows(b):
+                return prompt_vectors(self.ndcr_feats, guidance_images(run, b), b, tokens, self._positive_ids(b))[:, 0]
+
+            self._ndcr, seconds = timed(lambda: cached_features(
+                store, key, rows, ndcr_rows, p.extract_batch, rebuild, "FedDifRC denoising features"))
+            record.note("ndcr_features", {"folder": str(store.path(key)), "seconds": round(seconds, 3),
+                                          "shape": list(self._ndcr.shape)})
+        record.write()
+
+    # ---- client ------------------------------------------------------------------------------------
+    def _refresh(self, model, ctx) -> torch.Tensor:
+        """F̃ of every sample of this client under every prompt, conditioned on the received encoder's h(x)."""
+        indices = ctx.data.indices.numpy()
+        device = next(model.parameters()).device
+        every = torch.arange(len(self.tdcl_prompts))
+        was_training = model.training
+        model.eval()
+        out = []
+        with torch.no_grad():
+            for b in in_batches(indices, self.params.extract_batch):
+                condition = model.encoder(ctx.data.x[torch.from_numpy(b)].to(device))
+                out.append(prompt_vectors(self.tdcl_feats, guidance_images(self.run, b), b, self.tdcl_tokens,
+                                          every.expand(len(b), -1), condition=condition))
+        model.train(was_training)
+        return torch.cat(out)
+
+    def begin_local(self, model, ctx):
+        ctx.scratch["condition"] = (0.0, 0)
+        if self.refresh == "never":
+            return
+        ctx.scratch["client_rows"] = RowLookup(ctx.data.indices.numpy())
+        stored = ctx.state.get("tdcl_features")
+        if (self.refresh == "every_k" and stored is not None
+                and ctx.round - int(ctx.state["tdcl_round"]) < self.params.refresh_every):
+            ctx.scratch["tdcl"] = stored
+            return
+        features, seconds = timed(lambda: self._refresh(model, ctx))
+        ctx.scratch["tdcl"] = features
+        ctx.scratch["condition"] = (seconds, len(features) * len(self.tdcl_prompts))
+        if self.refresh == "every_k":
+            ctx.update_state(tdcl_features=features, tdcl_round=ctx.round)
+
+    def _lifted(self, targets: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if self.lift is not None:
+            targets = targets @ self.lift.T
+        return targets.to(like.device, like.dtype)
+
+    def _tdcl_targets(self, ctx, like):
+        if self.refresh == "never":
+            targets = lookup(self._tdcl, self._rows(ctx.batch_indices))
+        else:
+            targets = ctx.scratch["tdcl"][torch.from_numpy(ctx.scratch["client_rows"](ctx.batch_indices))]
+        return self._lifted(targets, like)
+
+    def local_loss(self, model, x, y, ctx):
+        p = self.params
+        z, logits = model.forward_features(x)
+        loss = z.new_zeros(()) if p.self_supervised else F.cross_entropy(logits, y)
+        if p.tdcl and p.lambda_tdcl > 0:
+            positive = torch.zeros_like(y) if p.self_supervised else y
+            loss = loss + p.lambda_tdcl * tdcl_loss(z, self._tdcl_targets(ctx, z), positive, p.tau)
+        if p.ndcr and p.lambda_ndcr > 0:
+            target = self._lifted(lookup(self._ndcr, self._rows(ctx.batch_indices)), z)
+            loss = loss + p.lambda_ndcr * ndcr_loss(z, target, p.ndcr_form)
+        return loss
+
+    def client_upload(self, model, ctx):
+        upload = super().client_upload(model, ctx)
+        if self.refresh != "never":
+            seconds, images = ctx.scratch.get("condition", (0.0, 0))
+            upload.update(condition_seconds=float(seconds), condition_unet_images=int(images))
+        return upload
+
+    # ---- server ------------------------------------------------------------------------------------
+    def aggregate(self, round_, global_weights, uploads):
+        self._stats = {"condition_seconds": sum(float(u.get("condition_seconds", 0.0)) for u in uploads),
+                       "condition_unet_images": sum(int(u.get("condition_unet_images", 0)) for u in uploads)}
+        return super().aggregate(round_, global_weights, uploads)
+
+    def evaluate(self, round_, global_weights):
+        if self.params.self_supervised:
+            metrics = self._probe(global_weights)
+        else:
+            metrics = super().evaluate(round_, global_weights)
+        if self.refresh != "never":
+            metrics.update(self._stats)
+        return metrics
+
+    def _probe(self, global_weights) -> dict:
+        run = self.run
+        if self._probe_model is None:
+            with torch.random.fork_rng(devices=[]):  # leaves every random stream untouched
+                self._probe_model = run.make_model()
+            self._probe_model.eval()
+        run.layout.load(self._probe_model, global_weights)
+        pool = training_rows(run)
+        if len(pool) > self.params.probe_samples:
+            rng = np.random.default_rng(np.random.SeedSequence([run.config.seed, 0xB0]))
+            pool = np.sort(rng.choice(pool, self.params.probe_samples, replace=False))
+        splits, batch = run.data.splits, run.config.train.eval_batch_size
+
+        def encode(x: torch.Tensor) -> np.ndarray:
+            with torch.no_grad():
+                return torch.cat([self._probe_model.encoder(x[s:s + batch]) for s in range(0, len(x), batch)]).numpy()
+
+        accuracy = linear_probe(encode(splits.train_x[torch.from_numpy(pool)]), splits.train_y[pool].numpy(),
+                                encode(splits.test_x), splits.test_y.numpy(), seed=run.config.seed)
+        return {"accuracy": accuracy, "probe_accuracy": accuracy}

@@ -1,0 +1,194 @@
+"""FedDISC (papers/feddisc.md): one-shot semi-supervised FL with prototypes, client centroids and composed
+diffusion guidance.
+
+Steps 1-3 (prototypes, pseudo-labels, k-means centroids and domain features, noising) are the client
+protocol of ``_centroids.py``. Step 4, on the server, after the one upload:
+- Eq. 6: every centroid z̄_{j,l}^k yields R = ``images_per_centroid`` images; image r pairs it with the
+  domain feature ḡ_j^{k_r} of a client k_r drawn uniformly among the clients that uploaded a domain
+  feature for class j (the paper draws k uniformly over all clients; a client without class j has no ḡ_j).
+- Eq. 7: composed guidance ε̂ = ε(C_j) + w_f(ε(z̄, C_j) − ε(C_j)) + w_g(ε(ḡ, C_j) − ε(C_j)), w_f = w_g = 2,
+  DDIM with ``steps`` = 20, through ``fedguide.guidance.samplers.sample`` with one ``Condition`` per image
+  feature, built by ``model.condition_inputs`` (unCLIP class labels, or the embedded model's image token).
+  The prompt C_j is the class name only ("a photo of a {name}", the embedded models' training prompt;
+  no style or domain words, as in the paper). ``cfg_scale`` = 1 is Eq. 7 literally (no unconditional
+  pass); another value adds text classifier-free guidance on top.
+- A linear head on the frozen image encoder is trained on the generated images with their classes
+  (SGD, lr 0.01, batch 256); the run's accuracy is encoder + head on the test set.
+
+Decisions where the paper is silent:
+- Scale of the image conditions: the uploaded features live at norm ≤ B (see _frozen_encoder); before
+  conditioning they are rescaled by r/B, r the mean raw embedding norm of the server's labeled images,
+  so an unCLIP model sees them at its encoder's own scale (its normaliser standardises raw embeddings).
+  Token-conditioned models normalise the embedding anyway.
+- Images of class j are sampled in batches of ``gen_batch_size``; the noise of image i of batch b depends
+  on (run seed, j, b, i) alone (the sampler's per-image generators); the pairing of Eq. 6 on the run seed.
+- Generated images are encoded class by class and dropped; only ``sample_grid`` images per class are kept
+  and written to ``feddisc_samples.png`` in the run directory (one row per class).
+- Ablations (Table 4): ``use_domain_features: false`` drops the w_g term; ``random_centroids: true``
+  uploads random member features instead of centroids. Tables 2-3: ``num_centroids`` (L) and
+  ``images_per_centroid`` (R).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional, Sequence
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from fedguide.fl.seeding import derive_seed
+from fedguide.methods._centroids import CentroidOneShot, CentroidParams
+from fedguide.methods._frozen_encoder import new_head, train_head
+from fedguide.guidance.progress import progress
+from fedguide.methods.base import METHODS
+from fedguide.registry import ConfigError
+
+PAIRING_TAG, GENERATION_TAG = 21, 22
+PROGRESS_FROM = 256  # a generation of at least this many images shows a progress bar (stderr)
+
+
+class FedDISCParams(CentroidParams):
+    images_per_centroid: int = Field(10, ge=1, description="R, images generated per centroid (Eq. 6)")
+    w_f: float = Field(2.0, description="weight of the centroid condition in Eq. 7")
+    w_g: float = Field(2.0, description="weight of the domain-feature condition in Eq. 7")
+    use_domain_features: bool = Field(True, description="Table 4 ablation: false drops the domain features (w_g term)")
+    steps: int = Field(20, ge=1, description="denoising steps (paper: DDIM, 20)")
+    scheduler: Literal["ddim", "ddpm"] = Field("ddim", description="sampler (paper: ddim)")
+    eta: float = Field(0.0, ge=0.0, description="DDIM eta")
+    cfg_scale: float = Field(1.0, description="text classifier-free guidance scale under Eq. 7 (1 = Eq. 7 as printed)")
+    prompt: str = Field("a photo of a {}", description="class prompt template, filled with the lower-cased class name")
+    gen_batch_size: int = Field(64, ge=1, description="images per sampler batch")
+    sample_grid: int = Field(8, ge=0, description="generated images per class written to feddisc_samples.png (0: none)")
+
+
+# ---- Eq. 6: what to generate -----------------------------------------------------------------------------
+@dataclass
+class GenerationPlan:
+    labels: torch.Tensor  # [N] class of each image
+    centroids: torch.Tensor  # [N, D] the noised centroid z̄ of each image
+    domain: Optional[torch.Tensor]  # [N, D] its paired domain feature ḡ, None without domain features
+    domain_client: torch.Tensor  # [N] the client whose ḡ was drawn (-1 without)
+
+
+def domain_available(uploads: Sequence[dict], min_count: int) -> torch.Tensor:
+    """[K, C] whether client k uploaded a domain feature for class c (``pseudo_label_counts`` ≥ m)."""
+    return torch.stack([u["pseudo_label_counts"] >= min_count for u in uploads])
+
+
+def plan_generation(uploads: Sequence[dict], images_per_centroid: int, use_domain: bool, min_count: int,
+                    rng: np.random.Generator) -> GenerationPlan:
+    """R images per uploaded centroid, each paired (Eq. 6) with the domain feature of a uniformly drawn
+    client among those holding one for the centroid's class."""
+    have = domain_available(uploads, min_count)
+    labels, cents, doms, who = [], [], [], []
+    for u in uploads:
+        for z, j in zip(u["centroids"], u["centroid_labels"].tolist()):
+            holders = torch.nonzero(have[:, j]).flatten().numpy()
+            for _ in range(images_per_centroid):
+                labels.append(j)
+                cents.append(z)
+                if use_domain:
+                    k = int(rng.choice(holders))
+                    doms.append(uploads[k]["domain_features"][j])
+                    who.append(k)
+                else:
+                    who.append(-1)
+    if not labels:
+        raise ConfigError("no centroid was uploaded, so there is nothing to generate")
+    return GenerationPlan(torch.tensor(labels, dtype=torch.long), torch.stack(cents).float(),
+                          torch.stack(doms).float() if use_domain else None, torch.tensor(who, dtype=torch.long))
+
+
+# ---- Eq. 7: the conditions -------------------------------------------------------------------------------
+def composed_conditions(model, context: torch.Tensor, features: Sequence[tuple[float, torch.Tensor]]) -> list:
+    """One sampler ``Condition`` per (weight, image embeddings [N, D]), built by ``model.condition_inputs``:
+    unCLIP class labels, or a context carrying the image token (token-conditioned models)."""
+    from fedguide.guidance.samplers import Condition
+
+    out = []
+    for weight, embeds in features:
+        ctx, labels = model.condition_inputs(context, embeds)
+        out.append(Condition(float(weight), class_labels=labels, context=ctx if labels is None else None))
+    return out
+
+
+def check_conditioning(model, dim: int) -> None:
+    """The guidance model must take image embeddings of the encoder's size."""
+    kind = model.image_conditioning
+    if kind is None:
+        raise ConfigError("FedDISC conditions generation on image features and this guidance model takes none: use "
+                          "an unCLIP pipeline (e.g. stabilityai/stable-diffusion-2-1-unclip) or the embedded default")
+    width = int(model.image_normalizer.mean.shape[-1]) if kind == "unclip" else model.context_dim
+    if width != dim:
+        raise ConfigError(f"the image encoder's embeddings have {dim} dims but the guidance model's image "
+                          f"conditioning takes {width}; use the pipeline's own image encoder "
+                          "(guidance.image_encoder: null)")
+
+
+def save_grid(images: Sequence[torch.Tensor], path: Path) -> None:
+    """One row per class of images in [-1, 1] ([n_c, 3, H, W] each), padded with black."""
+    from PIL import Image
+
+    rows = [r for r in images if len(r)]
+    if not rows:
+        return
+    width = max(len(r) for r in rows)
+    size = rows[0].shape[-2:]
+    pad = torch.full((3, *size), -1.0)
+    sheet = torch.cat([torch.cat([r[i].expand(3, -1, -1) if i < len(r) else pad for i in range(width)], dim=2)
+                       for r in rows], dim=1)
+    pixels = ((sheet.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    Image.fromarray(pixels).save(path)
+
+
+@METHODS.register("feddisc", params=FedDISCParams)
+class FedDISC(CentroidOneShot):
+    """FedDISC: one-shot; noisy client centroids + domain features guide diffusion generation; linear head on CLIP."""
+
+    def fit_head(self, uploads):
+        from fedguide.guidance.samplers import SamplerConfig, sample
+        from fedguide.guidance.shared import class_prompts
+
+        p = self.params
+        model, feats = self.features.model, self.features
+        check_conditioning(model, feats.dim)
+        t0 = time.perf_counter()
+        rng = np.random.default_rng(derive_seed(self.run.config.seed, "model", PAIRING_TAG))
+        plan = plan_generation(uploads, p.images_per_centroid, p.use_domain_features, p.min_cluster_size, rng)
+        idx, _ = self.labeled()
+        cond_scale = float(feats.raw_train(idx).norm(dim=1).mean()) / feats.norm
+        prompts = class_prompts(self.run.data.splits.class_names, p.prompt)
+        gen_feats, gen_labels, grid = [], [], []
+        with progress(len(plan.labels), "generating", enabled=len(plan.labels) >= PROGRESS_FROM) as advance:
+            for j in sorted(set(plan.labels.tolist())):
+                rows = torch.nonzero(plan.labels == j).flatten()
+                kept = []
+                # One sampler call per batch, so only one batch of (possibly large) images is held at a time.
+                for chunk, start in enumerate(range(0, len(rows), p.gen_batch_size)):
+                    part = rows[start: start + p.gen_batch_size]
+                    context = model.encode_text([prompts[j]]).tokens.expand(len(part), -1, -1)
+                    pairs = [(p.w_f, plan.centroids[part] * cond_scale)]
+                    if plan.domain is not None:
+                        pairs.append((p.w_g, plan.domain[part] * cond_scale))
+                    seed = derive_seed(self.run.config.seed, "model", GENERATION_TAG, j, chunk) % 2 ** 31
+                    config = SamplerConfig(scheduler=p.scheduler, steps=p.steps, guidance_scale=p.cfg_scale,
+                                           eta=p.eta, batch_size=p.gen_batch_size, progress=False, seed=seed)
+                    images = sample(model, [prompts[j]] * len(part), config,
+                                    composed_conditions(model, context, pairs)).images
+                    gen_feats.append(feats.of_images(images))
+                    gen_labels.append(torch.full((len(part),), j, dtype=torch.long))
+                    kept.append(images[: max(p.sample_grid - sum(len(k) for k in kept), 0)])
+                    advance(len(part))
+                grid.append(torch.cat(kept))
+        generation_seconds = time.perf_counter() - t0
+        x, y = torch.cat(gen_feats), torch.cat(gen_labels)
+        head = new_head(feats.dim, self.run.num_classes, self.head_seed())
+        head, loss = train_head(head, x, y, p.head_epochs, p.head_lr, p.head_batch_size, p.head_momentum,
+                                p.head_weight_decay, torch.Generator().manual_seed(self.head_seed() % 2 ** 31))
+        if p.sample_grid:
+            save_grid(grid, self.run.run_dir / "feddisc_samples.png")
+        return head, {"generated_images": int(len(y)), "generation_seconds": generation_seconds,
+                      "head_train_loss": loss}

@@ -1,0 +1,258 @@
+"""SemanticFL (papers/semanticfl.md): diffusion-guided semantic consistency.
+
+Local objective (Eq. 7): L = L_CE + λ_KD·L_KD + λ_CON·L_CON (λ_KD = 1, λ_CON = 0.01); server: FedAvg over
+the sampled clients (Eq. 8; 5 of 10 clients per round in the paper: a config matter, see
+configs/semanticfl_fmnist.yaml).
+
+- Visual features (Eqs. 1-3): l_i = VAE(x_i)·γ, noised to t = 150 (noise drawn from the sample index),
+  one UNet pass, global average pooling of each chosen block, concatenation, PCA to d = the encoder's
+  z dim (PooledPCAFeatures in guidance/fused.py). Computed once, offline, through the FeatureStore.
+- Text features: e_c = the text encoder's pooled embedding of "a photo of a {class c}", mapped to d by a
+  linear projection W (no bias).
+- f_i = z_i / ‖z_i‖ (the L2-normalised encoder output).
+- L_KD (Eq. 5) = mean_i KL(softmax(z_img,i) ‖ softmax(f_i)): the diffusion features are the target
+  distribution p, the client's features the model q (Σ p log p/q), as the equation is written.
+- L_CON (Eq. 6) = −mean_i log(e^{s⁺/τ} / (e^{s⁺/τ} + Σ_{j≠y_i} e^{s⁻_j/τ})) with s = cos(f_i, W e_j),
+  τ = 0.05: cross-entropy over the C class similarities, the positive in the denominator.
+
+Decisions (SPEC "SemanticFL"; each an option, default first)
+- ``layers``: every block of the UNet: down.0-3, mid, up.0-3 ("encoder, bottleneck and decoder blocks";
+  the paper names no blocks). All of them cost one UNet pass, like any subset ending in up.3, and give
+  the most features to reduce: the embedded UNet's blocks concatenate to 1024 channels, enough for
+  d = 512; a smaller choice such as [down.1, mid, up.2] (384 channels there) may not be.
+- ``visual_prompt: empty``: the UNet pass of Eq. 3 is unconditional (the empty prompt); the paper gives
+  no prompt. ``class``: the true-class prompt.
+- ``extraction_site: server`` (the paper's): the server extracts every client's features before round 1;
+  the clients' images reach the server, and the run says so (a warning and the run's guidance record).
+  ``client``: each client extracts its own features at its first participation (cached; the numbers are
+  the server's, since the noise depends on the sample index alone); the time is reported per round as
+  ``extract_seconds``. The PCA basis is fitted once on the server either way: on the public pool when
+  ``data.public_fraction > 0``, else on a seeded sample of the clients' images (the record says which).
+- ``text_projection: learned``: W is trained with the encoder and averaged like the rest. The split
+  model has no place for extra parameters, so W travels in the payload and upload under ``text_proj``,
+  is trained by its own optimiser of the run's settings (stepped in ``after_backward``) and is averaged
+  with the clients' sample counts in ``aggregate``; it is part of the server state (checkpoints).
+  ``fixed``: W is a seeded random map, never trained nor sent. Both start from the same seeded W
+  (Gaussian / √H).
+- Table II ablation switches: ``kd`` and ``con`` turn each term off.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from fedguide.fl.aggregation import sample_weighted_average
+from fedguide.guidance.features import DiffusionFeatures, FeatureSpec
+from fedguide.guidance.fused import PooledPCAFeatures
+from fedguide.guidance.shared import class_prompts, feature_store, guidance_model
+from fedguide.methods._diffusion_features import (GuidanceRecord, RowLookup, block_channels, cached_features,
+                                                  digest, feature_key, fit_basis, fit_sample, guidance_images,
+                                                  in_batches, lookup, prompt_maps, prompt_vectors, timed,
+                                                  training_rows)
+from fedguide.methods.base import METHODS, Method
+from fedguide.registry import ConfigError
+
+ALL_BLOCKS = ["down.0", "down.1", "down.2", "down.3", "mid", "up.0", "up.1", "up.2", "up.3"]
+
+
+class SemanticFLParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kd: bool = Field(True, description="L_KD against the diffusion visual features (Table II ablation)")
+    con: bool = Field(True, description="L_CON against the class-prompt text features (Table II ablation)")
+    lambda_kd: float = Field(1.0, ge=0.0)
+    lambda_con: float = Field(0.01, ge=0.0)
+    tau: float = Field(0.05, gt=0.0, description="L_CON temperature (Fig. 3)")
+    t: int = Field(150, ge=1, description="noise timestep of the visual features (Eq. 2)")
+    layers: list[str] = Field(default_factory=lambda: list(ALL_BLOCKS), min_length=1,
+                              description="UNet blocks pooled and concatenated (Eq. 3)")
+    visual_prompt: Literal["empty", "class"] = Field("empty", description="the UNet's text context for Eq. 3")
+    text_projection: Literal["learned", "fixed"] = "learned"
+    extraction_site: Literal["server", "client"] = "server"
+    fit_samples: int = Field(2000, ge=2, description="images the PCA basis is fitted on (at least d)")
+    extract_batch: int = Field(64, ge=1, description="images per UNet batch")
+    seed: int = Field(0, ge=0, description="noise, PCA and projection seed")
+
+
+def kd_loss(visual: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """Eq. 5: batch mean of KL(softmax(visual_i) ‖ softmax(f_i)) = Σ p (log p − log q)."""
+    return F.kl_div(F.log_softmax(f, dim=1), F.log_softmax(visual, dim=1), reduction="batchmean", log_target=True)
+
+
+def info_nce(f: torch.Tensor, text: torch.Tensor, labels: torch.Tensor, tau: float) -> torch.Tensor:
+    """Eq. 6: −mean log(e^{s⁺/τ} / Σ_j e^{s_j/τ}) with s_j = cos(f_i, text_j); the positive is in the sum."""
+    similarity = F.normalize(f, dim=1) @ F.normalize(text, dim=1).T
+    return F.cross_entropy(similarity / tau, labels)
+
+
+def initial_projection(out_dim: int, in_dim: int, seed: int) -> torch.Tensor:
+    return torch.randn(out_dim, in_dim, generator=torch.Generator().manual_seed(seed)) / in_dim ** 0.5
+
+
+class _Holder(nn.Module):
+    """The projection as a module, so the run's optimiser settings apply to it unchanged."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone())
+
+
+@METHODS.register("semanticfl", params=SemanticFLParams)
+class SemanticFL(Method):
+    """SemanticFL: CE + KD to offline diffusion features + InfoNCE to class-prompt text features, FedAvg."""
+
+    def __init__(self, params: SemanticFLParams, run):
+        super().__init__(params, run)
+        self.z_dim = int(run.model.feature_dim)
+        self.learned = params.con and params.text_projection == "learned"
+        self.proj = None  # [d, H] once the text features' size is known (setup)
+        self._extract_seconds = 0.0
+
+    # ---- server ------------------------------------------------------------------------------------
+    def _check_capacity(self, model, fit_count: int) -> None:
+        channels = [block_channels(model.unet, name) for name in self.params.layers]
+        width = sum(channels) if all(c is not None for c in channels) else None
+        problems = []
+        if width is not None and width < self.z_dim:
+            problems.append(f"the pooled blocks {self.params.layers} give {width} features (channels {channels})")
+        if fit_count < self.z_dim:
+            problems.append(f"the PCA is fitted on {fit_count} images")
+        if problems:
+            limit = min([fit_count] + ([width] if width is not None else []))
+            raise ConfigError(
+                f"SemanticFL reduces its visual features to z's {self.z_dim} dims, but {' and '.join(problems)}. "
+                f"Fix: model.feature_dim={limit} (cnn, mlp), or method.layers with more blocks (all: {ALL_BLOCKS}), "
+                f"or more images to fit on (method.fit_samples, data.fraction, data.public_fraction)")
+
+    def _visual_ids(self, indices: np.ndarray) -> torch.Tensor:
+        if self.params.visual_prompt == "empty":
+            return torch.zeros(len(indices), 1, dtype=torch.long)
+        return self.run.data.splits.train_y[torch.as_tensor(indices, dtype=torch.long)].unsqueeze(1)
+
+    def setup(self):
+        p, run = self.params, self.run
+        cfg = run.config
+        if not (p.kd or p.con):
+            return  # plain cross-entropy
+        model = guidance_model(cfg.guidance)
+        self.text = model.encode_text(tuple(class_prompts(run.data.splits.class_names))).pooled.float().cpu()
+        if self.proj is None:  # a resumed run's server state is loaded after setup and replaces it
+            self.proj = initial_projection(self.z_dim, self.text.shape[1], p.seed)
+        if not p.kd:
+            return
+        store = self.store = feature_store(cfg.guidance)
+        record = GuidanceRecord(run, "semanticfl")
+        self.rebuild = cfg.guidance.rebuild and record.first
+        fit_idx, fit_source = fit_sample(run, p.fit_samples, p.seed)
+        self._check_capacity(model, len(fit_idx))
+        spec = FeatureSpec(tuple(p.layers), t=p.t, noise_seed=p.seed,
+                           extra={"role": "semanticfl", "visual_prompt": p.visual_prompt})
+        self.feats = DiffusionFeatures(model, spec, PooledPCAFeatures(p.layers, d=self.z_dim, seed=p.seed))
+        self.prompts = [""] if p.visual_prompt == "empty" else class_prompts(run.data.splits.class_names)
+        self.tokens = model.encode_text(tuple(self.prompts)).tokens
+        record.note("basis_fit", fit_source, f"SemanticFL: PCA basis fitted on {fit_source}")
+        fit_desc = {"data": cfg.data.model_dump(mode="json"), "samples": digest(fit_idx), "count": int(len(fit_idx)),
+                    "prompts": self.prompts}
+
+        def batches():
+            for b in in_batches(fit_idx, p.extract_batch):
+                yield prompt_maps(self.feats, guidance_images(run, b), b, self.tokens, self._visual_ids(b))
+
+        record.note("basis_fitted", fit_basis(self.feats, "semanticfl", run, store, fit_desc, batches, len(fit_idx),
+                                              self.rebuild))
+        record.note("extraction_site", p.extraction_site)
+        if p.extraction_site == "server":
+            record.note("images_reach_server", True,
+                        "SemanticFL extraction_site=server: the clients' training images reach the server, which "
+                        "extracts their diffusion features (the paper's design); extraction_site=client keeps "
+                        "them on the clients", warn=True)
+            rows = training_rows(run)
+            self._rows = RowLookup(rows)
+            self._visual, seconds = timed(lambda: self._extract(rows, self.rebuild))
+            record.note("visual_features", {"seconds": round(seconds, 3), "shape": list(self._visual.shape)})
+        record.write()
+
+    def _extract(self, rows: np.ndarray, rebuild: bool) -> np.ndarray:
+        key = feature_key(self.feats, self.run, rows, prompts=self.prompts)
+
+        def compute(b):
+            return prompt_vectors(self.feats, guidance_images(self.run, b), b, self.tokens, self._visual_ids(b))[:, 0]
+
+        return cached_features(self.store, key, rows, compute, self.params.extract_batch, rebuild,
+                               "SemanticFL visual features")
+
+    def server_payload(self, round_, client_id, global_weights):
+        payload = super().server_payload(round_, client_id, global_weights)
+        if self.learned:
+            payload["text_proj"] = self.proj
+        return payload
+
+    def aggregate(self, round_, global_weights, uploads):
+        if self.learned:
+            self.proj = sample_weighted_average([u["text_proj"] for u in uploads], [u["num_samples"] for u in uploads])
+        self._extract_seconds = sum(float(u.get("extract_seconds", 0.0)) for u in uploads)
+        return super().aggregate(round_, global_weights, uploads)
+
+    def evaluate(self, round_, global_weights):
+        metrics = super().evaluate(round_, global_weights)
+        if self.params.kd and self.params.extraction_site == "client":
+            metrics["extract_seconds"] = self._extract_seconds
+        return metrics
+
+    def server_state(self):
+        return {"text_proj": self.proj} if self.learned else {}
+
+    def load_server_state(self, state):
+        if self.learned:
+            self.proj = state["text_proj"]
+        else:
+            super().load_server_state(state)
+
+    # ---- client ------------------------------------------------------------------------------------
+    def begin_local(self, model, ctx):
+        p = self.params
+        if self.learned:
+            from fedguide.fl.training import make_optimizer  # the local loop's module imports the methods
+
+            holder = _Holder(ctx.payload["text_proj"])
+            ctx.scratch["proj"] = (holder, make_optimizer(holder, self.local_train(self.run.config.train)))
+        if p.kd and p.extraction_site == "client":
+            rows = np.sort(ctx.data.indices.numpy())
+            features, seconds = timed(lambda: self._extract(rows, False))
+            ctx.scratch["visual"] = (RowLookup(rows), features)
+            ctx.scratch["extract_seconds"] = seconds
+
+    def _projection(self, ctx) -> torch.Tensor:
+        return ctx.scratch["proj"][0].weight if self.learned else self.proj
+
+    def local_loss(self, model, x, y, ctx):
+        p = self.params
+        z, logits = model.forward_features(x)
+        loss = F.cross_entropy(logits, y)
+        f = F.normalize(z, dim=1)
+        if p.kd and p.lambda_kd > 0:
+            rows, features = ctx.scratch["visual"] if p.extraction_site == "client" else (self._rows, self._visual)
+            visual = lookup(features, rows(ctx.batch_indices)).to(z.device, z.dtype)
+            loss = loss + p.lambda_kd * kd_loss(visual, f)
+        if p.con and p.lambda_con > 0:
+            text = self.text.to(z.device, z.dtype) @ self._projection(ctx).to(z.device, z.dtype).T
+            loss = loss + p.lambda_con * info_nce(f, text, y, p.tau)
+        return loss
+
+    def after_backward(self, model, ctx):
+        if self.learned:
+            _, optimizer = ctx.scratch["proj"]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def client_upload(self, model, ctx):
+        upload = super().client_upload(model, ctx)
+        if self.learned:
+            upload["text_proj"] = ctx.scratch["proj"][0].weight.detach().clone()
+        if self.params.kd and self.params.extraction_site == "client":
+            upload["extract_seconds"] = float(ctx.scratch.get("extract_seconds", 0.0))
+        return upload
