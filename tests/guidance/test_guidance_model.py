@@ -57,9 +57,12 @@ def test_bad_sources_name_the_fix(tiny_sd, tmp_path):
     shutil.rmtree(broken / "unet")
     with pytest.raises(GuidanceLoadError, match="no unet/ folder"):
         load_guidance(GuidanceConfig(model=str(broken)))
-    with pytest.raises(GuidanceLoadError, match="no CUDA"):
-        load_guidance(GuidanceConfig(model=str(tiny_sd), device="cuda")) if not torch.cuda.is_available() \
-            else pytest.skip("a GPU is present")
+
+
+def test_cuda_without_a_gpu_names_the_fix(tiny_sd, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a machine with a GPU
+    with pytest.raises(GuidanceLoadError, match="no CUDA.*guidance.device=cpu"):
+        load_guidance(GuidanceConfig(model=str(tiny_sd), device="cuda"))
 
 
 def test_image_encoder_none_and_override(tiny_sd, tiny_clip):

@@ -394,10 +394,6 @@ def test_smoke_config_validates_and_runs_where_the_embedded_weights_exist(tmp_pa
     assert sum(1 for row in prepared.data.class_counts() for n in row if n > 0) == 2
     for name in ("fedcado_digits.yaml", "fedcado_fmnist.yaml"):
         prepare(load_config(REPO / "configs" / name))
-    from fedguide.guidance.embedded import SHIPPED
-
-    if not (SHIPPED / "model_index.json").is_file():
-        pytest.skip("the embedded guidance weights are not built yet (fedguide pretrain-guidance)")
     summary, _, _ = run_tiny(tmp_path, load_config(REPO / "configs/fedcado_smoke.yaml",
                                                    ["method.progress=false", f"guidance.feature_cache={tmp_path}"]))
     assert summary["wall_seconds"] < 60
