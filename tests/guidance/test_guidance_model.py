@@ -8,7 +8,6 @@ from fedguide.guidance.condition import ConditionMap, inject
 from fedguide.guidance.config import GuidanceConfig
 from fedguide.guidance.hooks import capture, decoder_layer, layer_order, unet_features
 from fedguide.guidance.loading import GuidanceLoadError, fingerprint, load_guidance
-from fedguide.guidance.model import GuidanceModel
 from fedguide.registry import ConfigError
 
 

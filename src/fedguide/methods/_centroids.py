@@ -48,8 +48,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.fl.seeding import derive_seed, torch_generator
-from fedguide.methods._frozen_encoder import (FrozenFeatures, class_prototypes, copy_head, head_metrics, labeled_set,
-                                             pseudo_labels)
+from fedguide.methods._frozen_encoder import (FrozenFeatures, class_prototypes, head_from_state, head_metrics,
+                                             head_state, labeled_set, pseudo_labels)
 from fedguide.methods.base import Method
 from fedguide.registry import ConfigError
 
@@ -306,14 +306,8 @@ class CentroidOneShot(Method):
 
     # ---- checkpoints ----
     def server_state(self):
-        if self.head is None:
-            return {}
-        return {"head_weight": self.head["weight"], "head_bias": self.head["bias"]}
+        return head_state(self.head)
 
     def load_server_state(self, state):
-        if not state:
-            return
-        if set(state) != {"head_weight", "head_bias"}:
-            raise ValueError(f"{type(self).__name__} checkpoint state should hold head_weight and head_bias, "
-                             f"got {sorted(state)}")
-        self.head = copy_head({"weight": state["head_weight"], "bias": state["head_bias"]})
+        if state:
+            self.head = head_from_state(state, type(self).__name__)

@@ -232,6 +232,20 @@ def copy_head(head: Head) -> Head:
     return {k: v.detach().clone() for k, v in head.items()}
 
 
+def head_state(head: Optional[Head]) -> dict[str, torch.Tensor]:
+    """The server state of a head-training method (empty before its head exists)."""
+    return {} if head is None else {"head_weight": head["weight"], "head_bias": head["bias"]}
+
+
+def head_from_state(state: dict[str, torch.Tensor], owner: str) -> Optional[Head]:
+    """Inverse of ``head_state``; a checkpoint without the head's tensors is an error naming them."""
+    if not state:
+        return None
+    if set(state) != {"head_weight", "head_bias"}:
+        raise ValueError(f"{owner} checkpoint state should hold head_weight and head_bias, got {sorted(state)}")
+    return copy_head({"weight": state["head_weight"], "bias": state["head_bias"]})
+
+
 def average_heads(heads: Sequence[Head], weights: Sequence[float]) -> Head:
     from fedguide.fl.aggregation import weighted_average
 

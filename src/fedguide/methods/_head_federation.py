@@ -19,8 +19,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.fl.seeding import derive_seed, torch_generator
-from fedguide.methods._frozen_encoder import (FrozenFeatures, Head, average_heads, class_prototypes, copy_head,
-                                             head_metrics, labeled_set, new_head, train_head)
+from fedguide.methods._frozen_encoder import (FrozenFeatures, Head, average_heads, class_prototypes,
+                                             head_from_state, head_metrics, head_state, labeled_set, new_head, train_head)
 from fedguide.methods.base import ClientContext, Method
 
 HEAD_TAG, CLIENT_TAG, SERVER_TAG = 13, 31, 32
@@ -132,14 +132,8 @@ class HeadFederation(Method):
 
     # ---- checkpoints ----
     def server_state(self):
-        if self.head is None:
-            return {}
-        return {"head_weight": self.head["weight"], "head_bias": self.head["bias"]}
+        return head_state(self.head)
 
     def load_server_state(self, state):
-        if not state:
-            return
-        missing = {"head_weight", "head_bias"} - set(state)
-        if missing:
-            raise ValueError(f"{type(self).__name__} checkpoint state lacks {sorted(missing)}")
-        self.head = copy_head({"weight": state["head_weight"], "bias": state["head_bias"]})
+        if state:
+            self.head = head_from_state(state, type(self).__name__)
