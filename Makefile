@@ -21,7 +21,7 @@ data:
 	@scripts/ensure-data.sh
 
 demo: setup data
-	$(BIN)/fedguide run configs/demo.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S) --sweep method.name=fedavg,fedprox
+	$(BIN)/fedguide run configs/demo.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S) --sweep method.name=fedavg,feddifrc
 
 test: setup data
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests

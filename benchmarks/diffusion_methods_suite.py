@@ -81,11 +81,20 @@ def extraction_seconds(path: Path, method: str) -> float | None:
     return json.loads(record.read_text()).get("setup_seconds") if record.is_file() else None
 
 
-def mean_std(values: list[float]) -> str:
+def mean_std(values: list[float], seeds: int) -> str:
+    """Mean ± sample std; a cell with fewer runs than the table's seeds says how many it has."""
     if not values:
         return "—"
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{100 * statistics.mean(values):.2f} ± {100 * std:.2f}"
+    if len(values) == 1:
+        return f"{100 * values[0]:.2f} (1 seed)"
+    cell = f"{100 * statistics.mean(values):.2f} ± {100 * statistics.stdev(values):.2f}"
+    return cell if len(values) == seeds else f"{cell} ({len(values)} seeds)"
+
+
+def finished(out: Path, scenarios: list[str], seeds: list[int]) -> dict:
+    """Every finished run under ``out`` of these scenarios and seeds, this invocation's or an earlier one's."""
+    return {(sc, m, s): out / sc / f"{m}-s{s}" for sc in scenarios for m in METHODS for s in seeds
+            if (out / sc / f"{m}-s{s}" / "summary.json").is_file()}
 
 
 def write_tables(runs: dict, scenarios: list[str], methods: list[str], seeds: list[int]) -> None:
@@ -96,14 +105,15 @@ def write_tables(runs: dict, scenarios: list[str], methods: list[str], seeds: li
              "|---|" + "---|" * (len(methods) - 1)]
     for sc in scenarios:
         finals = {m: [summary(runs[sc, m, s])["final_accuracy"] for s in seeds if (sc, m, s) in runs] for m in methods}
-        lines.append(f"| {sc} | " + " | ".join(mean_std(finals[m]) for m in methods) + " |")
+        lines.append(f"| {sc} | " + " | ".join(mean_std(finals[m], len(seeds)) for m in methods) + " |")
         cells = []
         for m in methods:
             if m == "fedavg":
                 continue
             paired = [summary(runs[sc, m, s])["final_accuracy"] - summary(runs[sc, "fedavg", s])["final_accuracy"]
                       for s in seeds if (sc, m, s) in runs and (sc, "fedavg", s) in runs]
-            cells.append(f"{100 * statistics.mean(paired):+.2f}" if paired else "—")
+            cells.append((f"{100 * statistics.mean(paired):+.2f}" + ("" if len(paired) == len(seeds) else
+                          f" ({len(paired)} seeds)")) if paired else "—")
         gains.append(f"| {sc} | " + " | ".join(cells) + " |")
     (RESULTS / "table.md").write_text("\n".join(lines + gains) + "\n")
 
@@ -134,6 +144,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--report-only", action="store_true", help="write the tables from the finished runs only")
     ap.add_argument("--cache", type=Path, default=None, help="guidance.feature_cache (default: the usual cache)")
     args = ap.parse_args()
     known = registered()
@@ -143,25 +154,34 @@ def main() -> None:
         print(f"not registered, skipped: {', '.join(skipped)}", flush=True)
     cache = [f"guidance.feature_cache={args.cache}"] if args.cache else []
     runs = {}
-    for seed in args.seeds:  # seed-major: each seed's features are extracted once, early
+    for seed in [] if args.report_only else args.seeds:  # seed-major: each seed's features are extracted once, early
         for sc in args.scenarios:
             for m in methods:
                 runs[sc, m, seed] = run(args.out / sc / f"{m}-s{seed}", SCENARIOS[sc] + METHODS[m] + cache +
                                         [f"seed={seed}"])
     RESULTS.mkdir(parents=True, exist_ok=True)
+    # The tables hold every finished run on disk: the costlier baselines may have been run on fewer seeds
+    # by another invocation (--methods moon fedrcl --seeds 0); each cell says how many seeds it has.
+    runs = {**finished(args.out, args.scenarios, args.seeds), **runs}
+    methods = [m for m in METHODS if any(key[1] == m for key in runs)]
     for sc in args.scenarios:
-        paths = [str(runs[sc, m, s]) for m in methods for s in args.seeds]
+        paths = [str(runs[sc, m, s]) for m in methods for s in args.seeds if (sc, m, s) in runs]
         subprocess.run([sys.executable, "-m", "fedguide.cli", "report", *paths, "--out", str(RESULTS / sc)],
                        check=True, cwd=REPO)
     write_tables(runs, args.scenarios, methods, args.seeds)
     argv = [".venv/bin/python", "benchmarks/diffusion_methods_suite.py", *sys.argv[1:]]
+    # Every invocation that fed the tables is recorded (the baselines may come from a separate one).
+    log = RESULTS / "commands.txt"
+    commands = log.read_text().splitlines() if log.is_file() else []
     command = " ".join(shlex.quote(a) for a in argv)
+    if command not in commands:
+        log.write_text("\n".join(commands + [command]) + "\n")
     (RESULTS / "README.md").write_text(
         "# FedDifRC and SemanticFL vs label-shift baselines, Fashion-MNIST, embedded guidance models\n\n"
-        f"Made with (on {platform.machine()}, {platform.system()}, Python {platform.python_version()}):\n\n"
-        f"    {command}\n\nBase config: configs/feddifrc_fmnist.yaml. Tables: table.md (accuracy), overhead.md "
+        f"Made on {platform.machine()}, {platform.system()}, Python {platform.python_version()} with the "
+        "commands in commands.txt (in that order; finished runs are kept, so a later command only adds runs).\n\n"
+        "Base config: configs/feddifrc_fmnist.yaml. Tables: table.md (accuracy), overhead.md "
         "(round time vs FedAvg, extraction apart); per-scenario reports in the sub-folders.\n")
-
 
 if __name__ == "__main__":
     main()
