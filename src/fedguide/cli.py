@@ -91,6 +91,8 @@ def cmd_run(args) -> int:
     grid = _sweep_grid(args.sweep or [])
     if args.rebuild:
         args.overrides = list(args.overrides) + ["guidance.rebuild=true"]
+    if args.reuse_synthetic:
+        args.overrides = list(args.overrides) + [f"method.reuse_synthetic={args.reuse_synthetic}"]
     run_dirs = []
     for combo in grid:
         run_dir = args.out
@@ -238,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true")
     run.add_argument("--rebuild", action="store_true",
                      help="recompute cached guidance features instead of reusing them (guidance.rebuild=true)")
+    run.add_argument("--reuse-synthetic", metavar="RUN_DIR", default=None,
+                     help="one-shot generating methods (fedcado, sd_gen): train on RUN_DIR's synthetic set instead "
+                          "of generating (method.reuse_synthetic=RUN_DIR)")
     run.set_defaults(func=cmd_run)
 
     res = sub.add_parser("resume", help="continue an interrupted run from its last checkpoint")

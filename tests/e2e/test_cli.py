@@ -97,3 +97,13 @@ def test_sweep_runs_every_combination_and_prints_a_table(tmp_path):
     runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if (p / "summary.json").exists())
     assert runs == ["name=fedavg-seed=0", "name=fedavg-seed=1", "name=fedprox-seed=0", "name=fedprox-seed=1"]
     assert "| fedavg | digits |" in out.stdout and "| fedprox | digits |" in out.stdout
+
+
+def test_reuse_synthetic_flag_sets_the_method_option(tmp_path):
+    cfg = tiny_config(tmp_path / "cfg.yaml")
+    earlier = tmp_path / "earlier-run"
+    out = cli("run", str(cfg), "--dry-run", "method.name=sd_gen", "--reuse-synthetic", str(earlier))
+    resolved = yaml.safe_load(out.stdout.split("partition summary:")[0])
+    assert resolved["method"]["reuse_synthetic"] == str(earlier)
+    proc = cli("run", str(cfg), "--dry-run", "--reuse-synthetic", str(earlier), check=False)
+    assert proc.returncode == 2 and "reuse_synthetic" in proc.stderr and "Traceback" not in proc.stderr
