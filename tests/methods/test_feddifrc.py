@@ -111,6 +111,20 @@ def test_tdcl_hand_computed():
     assert tdcl_similarity(z, targets)[0, 0].item() == pytest.approx(want, rel=1e-5)
 
 
+def test_tdcl_normalized_spread_hand_computed_and_scale_free():
+    z = t([[1, 0], [0, 2]])
+    targets = t([[[1, 1], [0, 1]], [[1, 0], [0, 3]]])
+    # Unit vectors: z -> (1, 0), (0, 1); sample 0's positive (1, 1) -> (√½, √½).
+    # U = (‖(1 − √½, −√½)‖ + ‖(−√½, 1 − √½)‖) / 2 = √(2 − √2); s = cos 45° / U.
+    want = math.sqrt(0.5) / math.sqrt(2 - math.sqrt(2))
+    assert tdcl_similarity(z, targets, "normalized")[0, 0].item() == pytest.approx(want, rel=1e-5)
+    positive = torch.tensor([0, 1])
+    scaled = tdcl_loss(10 * z, 0.1 * targets, positive, 0.5, "normalized")
+    assert scaled.item() == pytest.approx(tdcl_loss(z, targets, positive, 0.5, "normalized").item(), rel=1e-5)
+    assert tdcl_loss(10 * z, targets, positive, 0.5).item() != pytest.approx(
+        tdcl_loss(z, targets, positive, 0.5).item(), rel=1e-3)  # the literal U depends on the scales
+
+
 def test_tdcl_spread_is_detached():
     torch.manual_seed(0)
     z = torch.randn(6, 5, requires_grad=True)
