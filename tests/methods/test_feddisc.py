@@ -262,6 +262,8 @@ def test_feddisc_one_shot_run(pipeline, cache, tmp_path):
     assert 0.0 <= first["accuracy"] <= 1.0 and summary["accuracy_curve"] == [first["accuracy"]] * 2
     assert first["bytes_up"] > 0 and first["bytes_down"] > 0
     assert second["bytes_up"] == 0 and second["bytes_down"] == 0  # one shot
+    assert first["loss"] is None  # inference-only clients train nothing: no train loss, not NaN
+    assert "NaN" not in (run_dir / "metrics.jsonl").read_text()
     assert first["labeled_source"] == "scenario" and first["generated_images"] > 0
     assert first["generated_images"] % FAST["images_per_centroid"] == 0
     assert set(first["domain_accuracy"]) == {"uci", "fonts", "mnistm_like"}

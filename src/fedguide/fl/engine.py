@@ -7,6 +7,7 @@ and only then commit client state. The engine knows the Method interface, never 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import subprocess
 import time
@@ -125,8 +126,8 @@ def prepare(cfg: Config) -> Prepared:
 
 
 def round_line(m: dict[str, Any], rounds: int) -> str:
-    return (f"round {m['round']:>3}/{rounds}  acc {100 * m['accuracy']:6.2f}%  train loss {m['loss']:.4f}  "
-            f"{m['seconds']:.1f} s")
+    loss = "—" if m["loss"] is None else f"{m['loss']:.4f}"
+    return f"round {m['round']:>3}/{rounds}  acc {100 * m['accuracy']:6.2f}%  train loss {loss}  {m['seconds']:.1f} s"
 
 
 class Experiment:
@@ -260,14 +261,17 @@ class Experiment:
         results = clients.run_round(r, jobs, global_w)
         uploads = [{**res.upload, "client_id": res.client_id} for res in results]
         up = sum(record_bytes(res.upload) for res in results)
-        n_sum = sum(res.num_samples for res in results)
-        loss_sum = sum(res.loss * res.num_samples for res in results)
+        # Inference-only clients (FedDISC, zero-shot) train nothing and report no loss (NaN): the round's
+        # train loss is the mean over the clients that trained, null when none did (never NaN in the JSON).
+        trained = [res for res in results if math.isfinite(res.loss)]
+        n_sum = sum(res.num_samples for res in trained)
+        loss = sum(res.loss * res.num_samples for res in trained) / max(n_sum, 1) if trained else None
         t_train = time.perf_counter()
         global_w = method.aggregate(r, global_w, uploads)
         t_agg = time.perf_counter()
         evaluation = method.evaluate(r, global_w)
         t_eval = time.perf_counter()
-        m = {"round": r, "accuracy": evaluation["accuracy"], "loss": loss_sum / max(n_sum, 1),
+        m = {"round": r, "accuracy": evaluation["accuracy"], "loss": loss,
              "seconds": t_eval - t0, "train_seconds": t_train - t0, "aggregate_seconds": t_agg - t_train,
              "eval_seconds": t_eval - t_agg, "client_fit_seconds": sum(res.fit_seconds for res in results),
              "bytes_up": up, "bytes_down": down, "clients": chosen}
