@@ -105,6 +105,20 @@ def test_kd_is_a_batch_mean_and_zero_when_equal():
     assert kd_loss(a, a).item() == pytest.approx(0.0, abs=1e-7)
 
 
+def test_kd_normalized_form_hand_computed():
+    visual, f = [3.0, 4.0], [0.6, 0.0]
+    tau = 0.5
+    v_hat = [x / 5.0 / tau for x in visual]             # (0.6, 0.8) / τ
+    q_in = [x / tau for x in f]
+    p = [math.exp(x) / sum(math.exp(y) for y in v_hat) for x in v_hat]
+    q = [math.exp(x) / sum(math.exp(y) for y in q_in) for x in q_in]
+    want = sum(pi * math.log(pi / qi) for pi, qi in zip(p, q))
+    assert kd_loss(t([visual]), t([f]), "normalized", tau).item() == pytest.approx(want, rel=1e-5)
+    # scale-free in the visual features, unlike Eq. 5 raw
+    assert kd_loss(t([[30.0, 40.0]]), t([f]), "normalized", tau).item() == pytest.approx(want, rel=1e-5)
+    assert kd_loss(t([[30.0, 40.0]]), t([f])).item() != pytest.approx(kd_loss(t([visual]), t([f])).item(), rel=1e-3)
+
+
 # ---- L_CON (Eq. 6) ----------------------------------------------------------------------------------
 def test_info_nce_keeps_the_positive_in_the_denominator():
     f = t([[1, 0]])

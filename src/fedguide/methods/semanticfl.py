@@ -35,6 +35,14 @@ Decisions (SPEC "SemanticFL"; each an option, default first)
   ``fixed``: W is a seeded random map, never trained nor sent. Both start from the same seeded W
   (Gaussian / √H).
 - Table II ablation switches: ``kd`` and ``con`` turn each term off.
+- ``kd_form: normalized`` (default): L_KD = KL(softmax(v̂/τ_KD) ‖ softmax(f/τ_KD)), v̂ the L2-normalised
+  visual features, τ_KD = ``kd_tau`` = 0.2. ``raw`` is Eq. 5 as printed, which cannot be met: f is a
+  unit vector, so softmax(f) over d = 512 dims is nearly uniform (entropy ≈ log 512 = 6.24), while
+  softmax of the PCA-reduced visual features (norm ≈ 13 on the embedded model) has entropy ≈ 2.8, so
+  L_KD stays near 3 and its gradient keeps pulling z towards the features' largest coordinates.
+  Measured: configs/demo.yaml, 10 rounds, mean accuracy of the last 5: FedAvg 58.96, raw 54.43 (loss
+  3.58), normalised τ 0.05 57.50, τ 0.2 58.01, no KD 59.07; on the benchmark's Dirichlet 0.05, seed 0,
+  20 rounds, raw ended at 62.52 % against FedAvg's 77.02 %.
 """
 from __future__ import annotations
 
@@ -67,6 +75,9 @@ class SemanticFLParams(BaseModel):
     lambda_kd: float = Field(1.0, ge=0.0)
     lambda_con: float = Field(0.01, ge=0.0)
     tau: float = Field(0.05, gt=0.0, description="L_CON temperature (Fig. 3)")
+    kd_form: Literal["normalized", "raw"] = Field(
+        "normalized", description="L_KD on L2-normalised visual features at temperature kd_tau, or Eq. 5 raw")
+    kd_tau: float = Field(0.2, gt=0.0, description="kd_form=normalized: temperature of both softmaxes")
     t: int = Field(150, ge=1, description="noise timestep of the visual features (Eq. 2)")
     layers: list[str] = Field(default_factory=lambda: list(ALL_BLOCKS), min_length=1,
                               description="UNet blocks pooled and concatenated (Eq. 3)")
@@ -78,8 +89,13 @@ class SemanticFLParams(BaseModel):
     seed: int = Field(0, ge=0, description="noise, PCA and projection seed")
 
 
-def kd_loss(visual: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    """Eq. 5: batch mean of KL(softmax(visual_i) ‖ softmax(f_i)) = Σ p (log p − log q)."""
+def kd_loss(visual: torch.Tensor, f: torch.Tensor, form: str = "raw", tau: float = 1.0) -> torch.Tensor:
+    """Eq. 5: batch mean of KL(softmax(visual_i) ‖ softmax(f_i)) = Σ p (log p − log q) (``raw``);
+    ``normalized``: KL(softmax(v̂_i/τ) ‖ softmax(f_i/τ)) with v̂ the L2-normalised visual features."""
+    if form == "normalized":
+        visual, f = F.normalize(visual, dim=1) / tau, f / tau
+    elif form != "raw":
+        raise ConfigError(f"unknown kd_form '{form}'; use raw or normalized")
     return F.kl_div(F.log_softmax(f, dim=1), F.log_softmax(visual, dim=1), reduction="batchmean", log_target=True)
 
 
@@ -237,7 +253,7 @@ class SemanticFL(Method):
         if p.kd and p.lambda_kd > 0:
             rows, features = ctx.scratch["visual"] if p.extraction_site == "client" else (self._rows, self._visual)
             visual = lookup(features, rows(ctx.batch_indices)).to(z.device, z.dtype)
-            loss = loss + p.lambda_kd * kd_loss(visual, f)
+            loss = loss + p.lambda_kd * kd_loss(visual, f, p.kd_form, p.kd_tau)
         if p.con and p.lambda_con > 0:
             text = self.text.to(z.device, z.dtype) @ self._projection(ctx).to(z.device, z.dtype).T
             loss = loss + p.lambda_con * info_nce(f, text, y, p.tau)
