@@ -145,9 +145,8 @@ def tdcl_similarity(z: torch.Tensor, targets: torch.Tensor, spread: str = "raw")
         flat, anchors = targets.reshape(batch * per_sample, dim).float(), z.detach().float()
         if spread == "normalized":
             flat, anchors = F.normalize(flat, dim=1), F.normalize(anchors, dim=1)
-        distance = torch.cdist(flat, anchors)
-        spread = distance.mean(dim=1).reshape(batch, per_sample).clamp_min(1e-12).to(z.dtype)
-    return F.cosine_similarity(z.unsqueeze(1), targets, dim=-1) / spread
+        u = torch.cdist(flat, anchors).mean(dim=1).reshape(batch, per_sample).clamp_min(1e-12).to(z.dtype)
+    return F.cosine_similarity(z.unsqueeze(1), targets, dim=-1) / u
 
 
 def tdcl_loss(z: torch.Tensor, targets: torch.Tensor, positive: torch.Tensor, tau: float,
