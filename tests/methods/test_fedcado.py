@@ -381,7 +381,7 @@ def test_sd_gen_generates_without_classifiers_and_clients_do_not_train(tiny_fold
     raw = raw_config(tiny_folder, tmp_path, {"name": "sd_gen"})
     summary, rows, run_dir = run_tiny(tmp_path, build_config(raw))
     assert summary["method"] == "sd_gen" and len(sampler_calls) == 2
-    assert math.isnan(rows[0]["loss"])  # no client trained: no training loss to report
+    assert rows[0]["loss"] is None  # no client trained: no training loss to report (null, not NaN)
     assert rows[0]["bytes_up"] == 2 * (4 * 10 + 8)  # class masks only
     recipe = json.loads(SyntheticStore.of_run(run_dir).metadata(0)["recipe"])
     assert recipe["method"] == "text-only" and "teacher_weights" not in recipe
