@@ -396,7 +396,8 @@ def test_smoke_config_validates_and_runs_where_the_embedded_weights_exist(tmp_pa
         prepare(load_config(REPO / "configs" / name))
     summary, _, _ = run_tiny(tmp_path, load_config(REPO / "configs/fedcado_smoke.yaml",
                                                    ["method.progress=false", f"guidance.feature_cache={tmp_path}"]))
-    assert summary["wall_seconds"] < 60
+    # Its wall time (under a minute on two idle cores) is a benchmark figure, not asserted.
+    assert summary["rounds"] == 1 and 0.0 <= summary["final_accuracy"] <= 1.0
 
 
 def test_a_dataset_without_pixel_statistics_is_refused_before_clients_train(tiny_folder, tmp_path):

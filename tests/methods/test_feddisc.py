@@ -300,4 +300,6 @@ def test_smoke_config(tmp_path):
     assert main(["run", str(REPO / "configs/feddisc_smoke.yaml"), "--out", str(out), "--quiet",
                  f"guidance.feature_cache={tmp_path / 'cache'}"]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["wall_seconds"] < 60
+    # Its wall time (under a minute on two idle cores) is a benchmark figure, not asserted: a loaded
+    # machine would fail a timed test for no fault of the code.
+    assert summary["rounds"] == 1 and summary["method"] == "feddisc" and 0.0 <= summary["final_accuracy"] <= 1.0
