@@ -14,7 +14,7 @@ Outputs, under benchmarks/results/diffusion_methods/:
 - ``overhead.md``: per scenario and seed, the mean round time of FedDifRC and SemanticFL divided by
   FedAvg's from this same suite (target <= 1.2; the paper's FedDifRC costs 1.48x FedAvg), with the
   one-off feature extraction (their setup, before round 1) reported separately;
-- ``README.md``: the command and the machine.
+- ``commands.txt``: every invocation that fed the tables (README.md there is the hand-written reading).
 
 Resumable: a finished run (summary.json) is kept; an interrupted one resumes from its last checkpoint;
 feature caches are shared through guidance.feature_cache, so each seed's features are extracted once
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import statistics
 import subprocess
@@ -190,12 +189,8 @@ def main() -> None:
     command = " ".join(shlex.quote(a) for a in argv)
     if command not in commands:
         log.write_text("\n".join(commands + [command]) + "\n")
-    (RESULTS / "README.md").write_text(
-        "# FedDifRC and SemanticFL vs label-shift baselines, Fashion-MNIST, embedded guidance models\n\n"
-        f"Made on {platform.machine()}, {platform.system()}, Python {platform.python_version()} with the "
-        "commands in commands.txt (in that order; finished runs are kept, so a later command only adds runs).\n\n"
-        "Base config: configs/feddifrc_fmnist.yaml. Tables: table.md (accuracy), overhead.md "
-        "(round time vs FedAvg, extraction apart); per-scenario reports in the sub-folders.\n")
+    # README.md there (the reading of the tables) is written by hand: a rerun must not overwrite it.
+
 
 if __name__ == "__main__":
     main()
