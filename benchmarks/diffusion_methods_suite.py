@@ -81,14 +81,18 @@ def extraction_seconds(path: Path, method: str) -> float | None:
     return json.loads(record.read_text()).get("setup_seconds") if record.is_file() else None
 
 
+def seed_count(n: int, seeds: int) -> str:
+    """'' when a cell has every seed of the table, else how many it has."""
+    return "" if n == seeds else f" ({n} seed{'s' if n > 1 else ''})"
+
+
 def mean_std(values: list[float], seeds: int) -> str:
     """Mean ± sample std; a cell with fewer runs than the table's seeds says how many it has."""
     if not values:
         return "—"
     if len(values) == 1:
-        return f"{100 * values[0]:.2f} (1 seed)"
-    cell = f"{100 * statistics.mean(values):.2f} ± {100 * statistics.stdev(values):.2f}"
-    return cell if len(values) == seeds else f"{cell} ({len(values)} seeds)"
+        return f"{100 * values[0]:.2f}{seed_count(1, seeds)}"
+    return f"{100 * statistics.mean(values):.2f} ± {100 * statistics.stdev(values):.2f}{seed_count(len(values), seeds)}"
 
 
 def finished(out: Path, scenarios: list[str], seeds: list[int]) -> dict:
@@ -97,38 +101,40 @@ def finished(out: Path, scenarios: list[str], seeds: list[int]) -> dict:
             if (out / sc / f"{m}-s{s}" / "summary.json").is_file()}
 
 
+def metric_table(title: str, value, summaries: dict, scenarios: list[str], methods: list[str],
+                 seeds: list[int]) -> list[str]:
+    """Markdown lines: per scenario and method, mean ± std over seeds of ``value(summary)``."""
+    lines = [title, "", "| scenario | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    for sc in scenarios:
+        cells = [mean_std([value(summaries[sc, m, s]) for s in seeds if (sc, m, s) in summaries], len(seeds))
+                 for m in methods]
+        lines.append(f"| {sc} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def write_tables(runs: dict, scenarios: list[str], methods: list[str], seeds: list[int]) -> None:
-    lines = ["# Final accuracy (%), mean ± sample std over seeds " + ", ".join(map(str, seeds)), "",
-             "| scenario | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    summaries = {key: summary(path) for key, path in runs.items()}  # each summary.json read once
+    final = metric_table("# Final accuracy (%), mean ± sample std over seeds " + ", ".join(map(str, seeds)),
+                         lambda r: r["final_accuracy"], summaries, scenarios, methods, seeds)
     gains = ["", "## Gain over FedAvg (points, mean over seeds, paired on each seed's partition)", "",
              "| scenario | " + " | ".join(m for m in methods if m != "fedavg") + " |",
              "|---|" + "---|" * (len(methods) - 1)]
     for sc in scenarios:
-        finals = {m: [summary(runs[sc, m, s])["final_accuracy"] for s in seeds if (sc, m, s) in runs] for m in methods}
-        lines.append(f"| {sc} | " + " | ".join(mean_std(finals[m], len(seeds)) for m in methods) + " |")
         cells = []
         for m in methods:
             if m == "fedavg":
                 continue
-            paired = [summary(runs[sc, m, s])["final_accuracy"] - summary(runs[sc, "fedavg", s])["final_accuracy"]
-                      for s in seeds if (sc, m, s) in runs and (sc, "fedavg", s) in runs]
-            count = "" if len(paired) == len(seeds) else f" ({len(paired)} seed{'s' if len(paired) > 1 else ''})"
-            cells.append(f"{100 * statistics.mean(paired):+.2f}{count}" if paired else "—")
+            paired = [summaries[sc, m, s]["final_accuracy"] - summaries[sc, "fedavg", s]["final_accuracy"]
+                      for s in seeds if (sc, m, s) in summaries and (sc, "fedavg", s) in summaries]
+            cells.append(f"{100 * statistics.mean(paired):+.2f}{seed_count(len(paired), len(seeds))}" if paired else "—")
         gains.append(f"| {sc} | " + " | ".join(cells) + " |")
     # At Dirichlet 0.05 the global accuracy swings by several points from one round to the next, so one
     # round's number is noisy; the mean of the last rounds is reported beside it (not instead of it).
-    tail = ["", f"## Mean accuracy of the last {TAIL} rounds (%), mean ± sample std over seeds", "",
-            "| scenario | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
-    for sc in scenarios:
-        tails = {m: [statistics.mean(summary(runs[sc, m, s])["accuracy_curve"][-TAIL:]) for s in seeds
-                     if (sc, m, s) in runs] for m in methods}
-        tail.append(f"| {sc} | " + " | ".join(mean_std(tails[m], len(seeds)) for m in methods) + " |")
-    best = ["", "## Best accuracy over rounds (%; picked on the test set, so optimistic), mean ± sample std", "",
-            "| scenario | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
-    for sc in scenarios:
-        bests = {m: [summary(runs[sc, m, s])["best_accuracy"] for s in seeds if (sc, m, s) in runs] for m in methods}
-        best.append(f"| {sc} | " + " | ".join(mean_std(bests[m], len(seeds)) for m in methods) + " |")
-    (RESULTS / "table.md").write_text("\n".join(lines + gains + tail + best) + "\n")
+    tail = metric_table(f"\n## Mean accuracy of the last {TAIL} rounds (%), mean ± sample std over seeds",
+                        lambda r: statistics.mean(r["accuracy_curve"][-TAIL:]), summaries, scenarios, methods, seeds)
+    best = metric_table("\n## Best accuracy over rounds (%; picked on the test set, so optimistic), mean ± sample std",
+                        lambda r: r["best_accuracy"], summaries, scenarios, methods, seeds)
+    (RESULTS / "table.md").write_text("\n".join(final + gains + tail + best) + "\n")
 
     rows = ["# Round time relative to FedAvg (same suite, same machine)", "",
             "Mean round seconds of the method divided by FedAvg's on the same scenario and seed",
@@ -141,10 +147,10 @@ def write_tables(runs: dict, scenarios: list[str], methods: list[str], seeds: li
         for s in seeds:
             if (sc, "fedavg", s) not in runs:
                 continue
-            base = summary(runs[sc, "fedavg", s])["mean_round_seconds"]
+            base = summaries[sc, "fedavg", s]["mean_round_seconds"]
             for m in GUIDED:
                 if (sc, m, s) in runs:
-                    own = summary(runs[sc, m, s])["mean_round_seconds"]
+                    own = summaries[sc, m, s]["mean_round_seconds"]
                     extract = extraction_seconds(runs[sc, m, s], m)
                     rows.append(f"| {sc} | {s} | {m} | {own:.2f} | {base:.2f} | {own / base:.2f} | "
                                 f"{'—' if extract is None else f'{extract:.1f}'} |")
@@ -166,16 +172,15 @@ def main() -> None:
     if skipped:
         print(f"not registered, skipped: {', '.join(skipped)}", flush=True)
     cache = [f"guidance.feature_cache={args.cache}"] if args.cache else []
-    runs = {}
     for seed in [] if args.report_only else args.seeds:  # seed-major: each seed's features are extracted once, early
         for sc in args.scenarios:
             for m in methods:
-                runs[sc, m, seed] = run(args.out / sc / f"{m}-s{seed}", SCENARIOS[sc] + METHODS[m] + cache +
+                run(args.out / sc / f"{m}-s{seed}", SCENARIOS[sc] + METHODS[m] + cache +
                                         [f"seed={seed}"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     # The tables hold every finished run on disk: the costlier baselines may have been run on fewer seeds
     # by another invocation (--methods moon fedrcl --seeds 0); each cell says how many seeds it has.
-    runs = {**finished(args.out, args.scenarios, args.seeds), **runs}
+    runs = finished(args.out, args.scenarios, args.seeds)
     methods = [m for m in METHODS if any(key[1] == m for key in runs)]
     for sc in args.scenarios:
         paths = [str(runs[sc, m, s]) for m in methods for s in args.seeds if (sc, m, s) in runs]
