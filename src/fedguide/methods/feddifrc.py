@@ -137,36 +137,56 @@ class FedDifRCParams(BaseModel):
 
 
 # ---- the losses ------------------------------------------------------------------------------------
-def tdcl_similarity(z: torch.Tensor, targets: torch.Tensor, spread: str = "raw") -> torch.Tensor:
+def _sq_dist(a: torch.Tensor, b: torch.Tensor, lift: Optional[torch.Tensor]) -> torch.Tensor:
+    """‖a_m − lift·b_n‖² for every pair [M, N], without forming lift·b (lift has orthonormal columns)."""
+    projected = a if lift is None else a @ lift
+    return (a.square().sum(1, keepdim=True) + b.square().sum(1) - 2 * projected @ b.T).clamp_min(0)
+
+
+def tdcl_similarity(z: torch.Tensor, targets: torch.Tensor, spread: str = "raw",
+                    lift: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Eq. 10: s[i, p] = cos(z_i, F_ip) / U_ip, U_ip = mean_m ‖z_m − F_ip‖₂ over the batch (detached);
-    ``spread="normalized"`` measures the distances between the L2-normalised vectors."""
+    ``spread="normalized"`` measures the distances between the L2-normalised vectors.
+
+    ``lift`` [z dim, d] with orthonormal columns: the targets are d-dim and stand for lift·F. Every term
+    is computed in the d-dim space (z·lift·F = (liftᵀz)·F, ‖lift·F‖ = ‖F‖): the same values and
+    gradients as lifting the batch's B·P targets, at the cost of projecting B vectors."""
     batch, per_sample, dim = targets.shape
+    z_hat, f_hat = F.normalize(z, dim=1), F.normalize(targets.to(z.dtype), dim=-1)
+    cos = torch.einsum("bd,bpd->bp", z_hat if lift is None else z_hat @ lift, f_hat)
     with torch.no_grad():
-        flat, anchors = targets.reshape(batch * per_sample, dim).float(), z.detach().float()
         if spread == "normalized":
-            flat, anchors = F.normalize(flat, dim=1), F.normalize(anchors, dim=1)
-        u = torch.cdist(flat, anchors).mean(dim=1).reshape(batch, per_sample).clamp_min(1e-12).to(z.dtype)
-    return F.cosine_similarity(z.unsqueeze(1), targets, dim=-1) / u
+            anchors, flat = z_hat.detach(), f_hat.reshape(batch * per_sample, dim)
+        else:
+            anchors, flat = z.detach(), targets.to(z.dtype).reshape(batch * per_sample, dim)
+        u = _sq_dist(anchors, flat, lift).sqrt().mean(dim=0).reshape(batch, per_sample).clamp_min(1e-12)
+    return cos / u
 
 
 def tdcl_loss(z: torch.Tensor, targets: torch.Tensor, positive: torch.Tensor, tau: float,
-              spread: str = "raw") -> torch.Tensor:
+              spread: str = "raw", lift: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Eq. 11, batch mean: log(1 + Σ_neg e^{s_neg/τ} / e^{s_pos/τ}) = logsumexp(s/τ) − s_pos/τ."""
-    return F.cross_entropy(tdcl_similarity(z, targets, spread) / tau, positive)
+    return F.cross_entropy(tdcl_similarity(z, targets, spread, lift) / tau, positive)
 
 
-def ndcr_loss(z: torch.Tensor, target: torch.Tensor, form: str = "mse_normalized") -> torch.Tensor:
+def ndcr_loss(z: torch.Tensor, target: torch.Tensor, form: str = "mse_normalized",
+              lift: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Eq. 12, batch mean of Σ_q (z_q − H_q)² (``mse_raw``), on L2-normalised vectors (``mse_normalized``),
-    or KL(softmax(Ĥ) ‖ softmax(ẑ)) of the normalised vectors (``kl``)."""
-    if form == "mse_raw":
-        return (z - target).square().sum(dim=1).mean()
-    z_hat, h_hat = F.normalize(z, dim=1), F.normalize(target, dim=1)
-    if form == "mse_normalized":
-        return (z_hat - h_hat).square().sum(dim=1).mean()
+    or KL(softmax(Ĥ) ‖ softmax(ẑ)) of the normalised vectors (``kl``). ``lift`` as in tdcl_similarity."""
+    if form not in ("mse_raw", "mse_normalized", "kl"):
+        raise ConfigError(f"unknown ndcr_form '{form}'; use mse_normalized, mse_raw or kl")
+    target = target.to(z.dtype)
+    if form == "kl" and lift is not None:
+        target, lift = target @ lift.T, None  # the softmax needs the vector itself
+    if form != "mse_raw":
+        z, target = F.normalize(z, dim=1), F.normalize(target, dim=1)
     if form == "kl":
-        return F.kl_div(F.log_softmax(z_hat, dim=1), F.log_softmax(h_hat, dim=1), reduction="batchmean",
+        return F.kl_div(F.log_softmax(z, dim=1), F.log_softmax(target, dim=1), reduction="batchmean",
                         log_target=True)
-    raise ConfigError(f"unknown ndcr_form '{form}'; use mse_normalized, mse_raw or kl")
+    if lift is None:
+        return (z - target).square().sum(dim=1).mean()
+    projected = z @ lift
+    return (z.square().sum(1) + target.square().sum(1) - 2 * (projected * target).sum(1)).mean()
 
 
 def orthonormal_lift(in_dim: int, out_dim: int, seed: int) -> torch.Tensor:
@@ -353,28 +373,28 @@ class FedDifRC(Method):
         if self.refresh == "every_k":
             ctx.update_state(tdcl_features=features, tdcl_round=ctx.round)
 
-    def _lifted(self, targets: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        if self.lift is not None:
-            targets = targets @ self.lift.T
-        return targets.to(like.device, like.dtype)
-
-    def _tdcl_targets(self, ctx, like):
-        if self.refresh == "never":
-            targets = lookup(self._tdcl, self._rows(ctx.batch_indices))
-        else:
-            targets = ctx.scratch["tdcl"][torch.from_numpy(ctx.scratch["client_rows"](ctx.batch_indices))]
-        return self._lifted(targets, like)
+    def _lift_like(self, like: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.lift is not None and (self.lift.device != like.device or self.lift.dtype != like.dtype):
+            self.lift = self.lift.to(like.device, like.dtype)
+        return self.lift
 
     def local_loss(self, model, x, y, ctx):
         p = self.params
         z, logits = model.forward_features(x)
         loss = z.new_zeros(()) if p.self_supervised else F.cross_entropy(logits, y)
-        if p.tdcl and p.lambda_tdcl > 0:
+        use_tdcl, use_ndcr = p.tdcl and p.lambda_tdcl > 0, p.ndcr and p.lambda_ndcr > 0
+        rows = self._rows(ctx.batch_indices) if use_ndcr or (use_tdcl and self.refresh == "never") else None
+        if use_tdcl:
+            if self.refresh == "never":
+                targets = lookup(self._tdcl, rows)
+            else:
+                targets = ctx.scratch["tdcl"][torch.from_numpy(ctx.scratch["client_rows"](ctx.batch_indices))]
             positive = torch.zeros_like(y) if p.self_supervised else y
-            loss = loss + p.lambda_tdcl * tdcl_loss(z, self._tdcl_targets(ctx, z), positive, p.tau, p.spread)
-        if p.ndcr and p.lambda_ndcr > 0:
-            target = self._lifted(lookup(self._ndcr, self._rows(ctx.batch_indices)), z)
-            loss = loss + p.lambda_ndcr * ndcr_loss(z, target, p.ndcr_form)
+            loss = loss + p.lambda_tdcl * tdcl_loss(z, targets.to(z.device, z.dtype), positive, p.tau, p.spread,
+                                                    self._lift_like(z))
+        if use_ndcr:
+            target = lookup(self._ndcr, rows).to(z.device, z.dtype)
+            loss = loss + p.lambda_ndcr * ndcr_loss(z, target, p.ndcr_form, self._lift_like(z))
         return loss
 
     def client_upload(self, model, ctx):
