@@ -33,22 +33,23 @@ def main() -> None:
     ap.add_argument("--method", default="fedprox", help="method name, or several overrides joined by ';'")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--phase", choices=["round", "fit"], default="round",
-                    help="round: a round's whole client part; fit: the local training loops alone")
+    ap.add_argument("--phase", choices=["round", "fit", "whole"], default="round",
+                    help="round: a round's whole client part; fit: the local training loops alone; "
+                         "whole: the whole round, evaluation included")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     variant = args.method.split(";") if "=" in args.method else [f"method.name={args.method}"]
     base = [f"train.rounds={args.rounds}", *args.overrides]
     times = {"fedavg": [], "method": []}
     for _ in range(args.repeats):
-        key = "train_seconds" if args.phase == "round" else "client_fit_seconds"
+        key = {"round": "train_seconds", "fit": "client_fit_seconds", "whole": "seconds"}[args.phase]
         times["fedavg"] += round_times(args.config, base + ["method.name=fedavg"], key)
         times["method"] += round_times(args.config, base + variant, key)
     a, b = statistics.median(times["fedavg"]), statistics.median(times["method"])
     print(f"config {args.config.name} {' '.join(base)}")
     print(f"phase: {args.phase}")
-    print(f"fedavg round training: median {a:.3f} s over {len(times['fedavg'])} rounds {[round(t, 2) for t in times['fedavg']]}")
-    print(f"{' '.join(variant)} round training: median {b:.3f} s over {len(times['method'])} rounds {[round(t, 2) for t in times['method']]}")
+    print(f"fedavg {args.phase} time: median {a:.3f} s over {len(times['fedavg'])} rounds {[round(t, 2) for t in times['fedavg']]}")
+    print(f"{' '.join(variant)} {args.phase} time: median {b:.3f} s over {len(times['method'])} rounds {[round(t, 2) for t in times['method']]}")
     print(f"ratio={b / a:.4f}")
 
 
