@@ -132,8 +132,9 @@ def mean_std(values: list[float]) -> str:
     if not values:
         return "–"
     m = 100 * statistics.fmean(values)
-    s = 100 * statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{m:.2f} ± {s:.2f}"
+    if len(values) == 1:
+        return f"{m:.2f} (1 seed)"  # no spread to report
+    return f"{m:.2f} ± {100 * statistics.stdev(values):.2f}"
 
 
 def table(title: str, kind: str, runs: dict[str, list[Path]], classes: dict[int, list[list[int]]],
@@ -176,14 +177,14 @@ def throughput(rows: list[tuple[str, Path]]) -> str:
     import torch
 
     device = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
-              else f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads ({platform.machine()})")
-    lines = [f"# Generation throughput\n\nDevice: {device}; torch {torch.__version__}.\n",
-             "| run | images generated | seconds | images/s |", "|---|---|---|---|"]
+              else f"CPU, {os.cpu_count()} cores ({platform.machine()})")
+    lines = [f"# Generation throughput\n\nDevice: {device}; torch {torch.__version__}; threads: the run's torch threads.\n",
+             "| run | threads | images generated | seconds | images/s |", "|---|---|---|---|---|"]
     for name, run_dir in rows:
         m = metrics(run_dir)[0]
         if m.get("generated_images"):
-            lines.append(f"| {name} | {m['generated_images']} | {m['generation_seconds']:.1f} | "
-                         f"{m['generation_images_per_second']:.3f} |")
+            lines.append(f"| {name} | {summary(run_dir).get('threads_per_worker', '?')} | {m['generated_images']} | "
+                         f"{m['generation_seconds']:.1f} | {m['generation_images_per_second']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
