@@ -56,7 +56,7 @@ def main() -> None:
         tail = statistics.mean(s["accuracy_curve"][-TAIL:])
         rows.append((name, s["final_accuracy"], tail, s["best_accuracy"]))
         print(f"{name:<36} final {100 * s['final_accuracy']:.2f}%  last-{TAIL} {100 * tail:.2f}%", flush=True)
-    base = dict((r[0], r) for r in rows)["fedavg"]
+    base = next(r for r in rows if r[0] == "fedavg")
     lines = [f"# Layer sweep on configs/demo.yaml, seed {args.seed} (benchmarks/diffusion_layer_sweep.py)", "",
              f"| variant | final % | last-{TAIL} mean % | last-{TAIL} vs FedAvg | best % |", "|---|---|---|---|---|"]
     for name, final, tail, best in rows:

@@ -169,24 +169,18 @@ def tdcl_loss(z: torch.Tensor, targets: torch.Tensor, positive: torch.Tensor, ta
     return F.cross_entropy(tdcl_similarity(z, targets, spread, lift) / tau, positive)
 
 
-def ndcr_loss(z: torch.Tensor, target: torch.Tensor, form: str = "mse_normalized",
-              lift: Optional[torch.Tensor] = None) -> torch.Tensor:
+def ndcr_loss(z: torch.Tensor, target: torch.Tensor, form: str = "mse_normalized") -> torch.Tensor:
     """Eq. 12, batch mean of Σ_q (z_q − H_q)² (``mse_raw``), on L2-normalised vectors (``mse_normalized``),
-    or KL(softmax(Ĥ) ‖ softmax(ẑ)) of the normalised vectors (``kl``). ``lift`` as in tdcl_similarity."""
-    if form not in ("mse_raw", "mse_normalized", "kl"):
-        raise ConfigError(f"unknown ndcr_form '{form}'; use mse_normalized, mse_raw or kl")
-    target = target.to(z.dtype)
-    if form == "kl" and lift is not None:
-        target, lift = target @ lift.T, None  # the softmax needs the vector itself
-    if form != "mse_raw":
-        z, target = F.normalize(z, dim=1), F.normalize(target, dim=1)
-    if form == "kl":
-        return F.kl_div(F.log_softmax(z, dim=1), F.log_softmax(target, dim=1), reduction="batchmean",
-                        log_target=True)
-    if lift is None:
+    or KL(softmax(Ĥ) ‖ softmax(ẑ)) of the normalised vectors (``kl``)."""
+    if form == "mse_raw":
         return (z - target).square().sum(dim=1).mean()
-    projected = z @ lift
-    return (z.square().sum(1) + target.square().sum(1) - 2 * (projected * target).sum(1)).mean()
+    z_hat, h_hat = F.normalize(z, dim=1), F.normalize(target, dim=1)
+    if form == "mse_normalized":
+        return (z_hat - h_hat).square().sum(dim=1).mean()
+    if form == "kl":
+        return F.kl_div(F.log_softmax(z_hat, dim=1), F.log_softmax(h_hat, dim=1), reduction="batchmean",
+                        log_target=True)
+    raise ConfigError(f"unknown ndcr_form '{form}'; use mse_normalized, mse_raw or kl")
 
 
 def orthonormal_lift(in_dim: int, out_dim: int, seed: int) -> torch.Tensor:
@@ -394,7 +388,9 @@ class FedDifRC(Method):
                                                     self._lift_like(z))
         if use_ndcr:
             target = lookup(self._ndcr, rows).to(z.device, z.dtype)
-            loss = loss + p.lambda_ndcr * ndcr_loss(z, target, p.ndcr_form, self._lift_like(z))
+            lift = self._lift_like(z)
+            # One target per sample: lifting it costs what projecting z would (unlike TDCL's B·P targets).
+            loss = loss + p.lambda_ndcr * ndcr_loss(z, target if lift is None else target @ lift.T, p.ndcr_form)
         return loss
 
     def client_upload(self, model, ctx):
