@@ -4,10 +4,8 @@
 
 Here (CPU): a tiny random SD-layout pipeline (fedguide.guidance.tiny) — extraction = VAE encode + noise +
 hooked UNet pass (decoder layers 2-4) + fused PCA features, against the bare UNet forward on the same
-latents; sampling = DDIM 20 steps with CFG 3. Where CUDA is available it also builds a randomly
-initialised SD-1.5-sized UNet and VAE from their published configs (fp16, 64x64 latents = 512x512 images)
-and compares extraction from latents (hooks + PCA) with the UNet's bare forward (target: within 2x);
-the VAE encode of 512-px images is timed on its own line.
+latents; sampling = DDIM 20 steps with CFG 3. At Stable Diffusion's real size, on a GPU, every method's guidance
+workload is timed by benchmarks/guidance_real_size.py.
 
 Ends with ``extract_img_s=<f> sample_img_s=<f>`` (the tiny pipeline on this machine).
 """
@@ -28,7 +26,6 @@ sys.path.insert(0, str(REPO / "src"))
 from fedguide.guidance.config import GuidanceConfig  # noqa: E402
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec  # noqa: E402
 from fedguide.guidance.fused import FusedFeatures  # noqa: E402
-from fedguide.guidance.hooks import unet_features  # noqa: E402
 from fedguide.guidance.model import GuidanceModel  # noqa: E402
 from fedguide.guidance.samplers import SamplerConfig, sample  # noqa: E402
 from fedguide.guidance.tiny import build_tiny_pipeline  # noqa: E402
@@ -83,52 +80,13 @@ def tiny(args) -> tuple[float, float]:
     return extract_s, sample_s
 
 
-def sd15_gpu(batch: int) -> None:
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-
-    device, dtype = torch.device("cuda"), torch.float16
-    unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8, layers_per_block=2,
-                                block_out_channels=(320, 640, 1280, 1280)).to(device, dtype).eval()
-    vae = AutoencoderKL(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4,
-                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                        sample_size=512).to(device, dtype).eval()
-
-    class Wrapped:  # the two calls of GuidanceModel that unet_features uses
-        def __init__(self):
-            self.unet = unet
-
-        def eps(self, lat, t, ctx, class_labels=None):
-            return unet(lat, torch.full((lat.shape[0],), int(t), device=device), encoder_hidden_states=ctx).sample
-
-    m = Wrapped()
-    lat = torch.randn(batch, 4, 64, 64, device=device, dtype=dtype)
-    ctx = torch.randn(batch, 77, 768, device=device, dtype=dtype)
-    layers = ("up.1", "up.2", "up.3")
-    fused = FusedFeatures(layers, d=512, samples_per_image=64)
-    with torch.no_grad():
-        fused.fit([unet_features(m, lat, 150, ctx, layers) for _ in range(2)])
-        t_bare = timed(lambda: m.eps(lat, 150, ctx))
-        t_ext = timed(lambda: fused(unet_features(m, lat, 150, ctx, layers)))
-        x = torch.rand(batch, 3, 512, 512, device=device, dtype=dtype) * 2 - 1
-        t_vae = timed(lambda: vae.encode(x).latent_dist.mean)
-    print(f"SD-1.5-sized UNet, {torch.cuda.get_device_name()}, fp16, 64x64 latents, batch {batch}:")
-    print(f"  bare UNet forward:                  {batch / t_bare:8.1f} img/s")
-    print(f"  extraction from latents (hooks+PCA): {batch / t_ext:8.1f} img/s   ratio {t_ext / t_bare:.2f}x (target <= 2)")
-    print(f"  VAE encode of 512-px images:         {batch / t_vae:8.1f} img/s")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--sample-images", type=int, default=32)
-    ap.add_argument("--gpu-batch", type=int, default=16)
     args = ap.parse_args()
     extract_s, sample_s = tiny(args)
-    if torch.cuda.is_available():
-        sd15_gpu(args.gpu_batch)
-    else:
-        print("no CUDA device: the SD-1.5-sized comparison is skipped")
     print(f"extract_img_s={extract_s:.2f} sample_img_s={sample_s:.2f}")
 
 

@@ -12,7 +12,7 @@ from diffusers import DDIMScheduler
 from fedguide.guidance.config import GuidanceConfig
 from fedguide.guidance.model import GuidanceModel
 from fedguide.guidance.samplers import (Condition, SamplerConfig, as_eps, guided_eps, image_generators,
-                                        initial_noise, sample)
+                                        initial_noise, sample, scaled_gradient)
 from fedguide.guidance.tiny import IMAGE_EMBED, build_tiny_pipeline
 from fedguide.registry import ConfigError
 
@@ -226,3 +226,42 @@ def test_bad_conditions_raise(model, unclip):
         sample(model, PROMPTS, FAST, latents=torch.zeros(2, 4, 8, 8))
     with pytest.raises(ConfigError, match="one loss per image"):
         sample(model, PROMPTS, FAST, loss_fn=lambda x, idx: x.pow(2).mean())
+
+
+def _tiny_chain(x: torch.Tensor):
+    """A float16 chain whose gradient (1e-8 per entry) underflows float16 unless the loss is scaled."""
+    y = (x.half() * 1e-4) * 1e-4
+    return y.float().sum(), "aux"
+
+
+def test_scaled_gradient_recovers_a_float16_gradient_that_underflows_unscaled():
+    x = torch.ones(5)
+    leaf = x.clone().requires_grad_(True)
+    (plain,) = torch.autograd.grad(_tiny_chain(leaf)[0], leaf)
+    assert torch.all(plain == 0)  # what a plain float16 backward gives
+    grad, aux = scaled_gradient(_tiny_chain, x, torch.float16)
+    assert aux == "aux" and grad.dtype == torch.float32
+    torch.testing.assert_close(grad, torch.full((5,), 1e-8), rtol=2e-3, atol=0)
+
+
+def test_scaled_gradient_lowers_the_scale_on_overflow_and_reruns_the_objective():
+    calls = []
+
+    def big(x):  # d/dx = 10 in float16: scaled by 2^16 it overflows (> 65504), by 2^12 it does not
+        calls.append(1)
+        return (x.half() * 10).float().sum(), None
+
+    grad, _ = scaled_gradient(big, torch.ones(3), torch.float16)
+    assert len(calls) == 2 and torch.isfinite(grad).all()
+    torch.testing.assert_close(grad, torch.full((3,), 10.0), rtol=1e-3, atol=0)
+
+
+def test_scaled_gradient_in_float32_is_the_plain_gradient_in_one_call():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return (x ** 2).sum(), None
+
+    grad, _ = scaled_gradient(f, torch.tensor([1.0, -2.0]), torch.float32)
+    assert len(calls) == 1 and torch.equal(grad, torch.tensor([2.0, -4.0]))

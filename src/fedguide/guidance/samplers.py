@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 
@@ -261,18 +261,43 @@ def _run_passes(model, latents: torch.Tensor, t: torch.Tensor, passes: Sequence[
     return out
 
 
+# float16 backpropagation through the UNet and the VAE decoder leaves FedCADO's gradients (entries of
+# ~1e-5 at SD-1.5 size) in float16's subnormal range; a scaled loss keeps them representable (as AMP's
+# GradScaler does for weights), and the result is unscaled in float32.
+HALF_LOSS_SCALE = 2.0 ** 16
+
+
+def scaled_gradient(objective: Callable[[torch.Tensor], tuple[torch.Tensor, Any]], x: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+    """(∇_x loss, aux) for ``loss, aux = objective(x)``. For a float16 model the loss is scaled before
+    backpropagation; on overflow the scale is lowered and the objective re-run (no graph is kept for a
+    retry: that would double the peak memory of every step for a rare event)."""
+    scale = HALF_LOSS_SCALE if dtype == torch.float16 else 1.0
+    while True:
+        leaf = x.detach().requires_grad_(True)
+        loss, aux = objective(leaf)
+        if scale == 1:
+            return torch.autograd.grad(loss, leaf)[0], aux
+        (grad,) = torch.autograd.grad(loss * scale, leaf)
+        if torch.isfinite(grad).all():
+            return grad.float() / scale, aux
+        scale = max(scale / 2 ** 4, 1.0)
+
+
 def _loss_gradient(model, latents: torch.Tensor, t: torch.Tensor, cond: _Pass, loss_fn: LossFn,
                    idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ε(C) detached, ∇_{s_t} Σ L(decode(ŝ_0)), the per-image losses), ŝ_0 by FedCADO Eq. 3."""
-    with torch.enable_grad():
-        s = latents.detach().requires_grad_(True)
+    def objective(s: torch.Tensor):
         eps_cond = as_eps(model, model.eps(s, t, cond.context, class_labels=cond.class_labels), s, t)
         images = model.decode(model.predict_x0(s, t, eps_cond)).float()
         losses = loss_fn(images, idx)
         if not isinstance(losses, torch.Tensor) or losses.shape != (s.shape[0],):
             shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
             raise ConfigError(f"loss_fn must return one loss per image, shape [{s.shape[0]}], got {shape}")
-        (grad,) = torch.autograd.grad(losses.sum(), s)
+        return losses.sum(), (eps_cond, losses)
+
+    with torch.enable_grad():
+        grad, (eps_cond, losses) = scaled_gradient(objective, latents, model.dtype)
     return eps_cond.detach(), grad, losses.detach().float()
 
 

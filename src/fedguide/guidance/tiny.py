@@ -20,7 +20,8 @@ TEXT_HIDDEN = 32
 IMAGE_EMBED = 16
 
 
-def _tokenizer(folder: Path, max_length: int):
+def clip_char_tokenizer(folder: Path, max_length: int):
+    """A CLIPTokenizer over single characters (no merges), saved to ``folder``: no vocabulary download."""
     from transformers import CLIPTokenizer
 
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
@@ -49,7 +50,7 @@ def build_tiny_pipeline(folder: Path | str, seed: int = 0, image_size: int = 32,
     diffusers.utils.logging.disable_progress_bar()
     folder = Path(folder)
     torch.manual_seed(seed)
-    tok = _tokenizer(folder / "tokenizer", max_length)
+    tok = clip_char_tokenizer(folder / "tokenizer", max_length)
     text = CLIPTextModel(CLIPTextConfig(vocab_size=len(tok), hidden_size=TEXT_HIDDEN, intermediate_size=64,
                                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=max_length,
                                         eos_token_id=1, bos_token_id=0, pad_token_id=1))
@@ -103,7 +104,7 @@ def build_tiny_clip(folder: Path | str, seed: int = 0, image_size: int = 32, max
 
     folder = Path(folder)
     torch.manual_seed(seed)
-    tok = _tokenizer(folder, max_length)
+    tok = clip_char_tokenizer(folder, max_length)
     config = CLIPConfig(
         text_config={"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                      "num_attention_heads": 2, "max_position_embeddings": max_length, "eos_token_id": 1,
