@@ -17,6 +17,7 @@ table.md (per-client and average accuracy, mean ± std over seeds), privacy.json
 seed 0, ablations.md, and ``fedguide report`` of every run (report/).
 
     .venv/bin/python benchmarks/feddisc_suite.py [--out runs/feddisc] [--settings digits fmnist] [--ablations]
+        [--seeds 0 1 2] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -98,16 +99,18 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--rounds", type=int, default=30, help="rounds of the multi-round baselines")
     ap.add_argument("--ablations", action="store_true", help="Table 4 and the L/R sweeps on seed 0")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="overrides added to every run, e.g. runtime.threads_per_worker=1 (not part of the results)")
     args = ap.parse_args()
     for i, setting in enumerate(args.settings):
         config, root, dest = CONFIGS[setting], args.out / setting, RESULTS / setting
         dest.mkdir(parents=True, exist_ok=True)
-        rows: dict[str, list[Path]] = {}
-        for method in ONE_SHOT + MULTI_ROUND:
-            rounds = 1 if method in ONE_SHOT else args.rounds
-            rows[method] = [run(config, root / f"{method}-s{seed}",
-                                [f"seed={seed}", f"method.name={method}", f"train.rounds={rounds}"])
-                            for seed in args.seeds]
+        rows: dict[str, list[Path]] = {method: [] for method in ONE_SHOT + MULTI_ROUND}
+        for seed in args.seeds:  # seed-major: an interrupted suite leaves whole seeds, not whole methods
+            for method in rows:
+                rounds = 1 if method in ONE_SHOT else args.rounds
+                rows[method].append(run(config, root / f"{method}-s{seed}", [
+                    f"seed={seed}", f"method.name={method}", f"train.rounds={rounds}", *args.set]))
         (dest / "table.md").write_text(table(rows))
         seed0 = rows["feddisc"][0]
         for name in ("privacy.json", "feddisc_samples.png"):
@@ -115,7 +118,7 @@ def main() -> None:
                 shutil.copy(seed0 / name, dest / name)
         runs = [d for dirs in rows.values() for d in dirs]
         if args.ablations and i == 0:
-            s0 = [f"seed={args.seeds[0]}", "train.rounds=1"]
+            s0 = [f"seed={args.seeds[0]}", "train.rounds=1", *args.set]
             ablation = {
                 "feddisc": [rows["feddisc"][0]],
                 "feddisc, no domain features": [run(config, root / "ablation-no-domain", s0 + [

@@ -49,6 +49,9 @@ from fedguide.methods.fedcado import BatchNormStatistics, guidance_loss  # noqa:
 from fedguide.methods.feddisc import composed_conditions  # noqa: E402
 from fedguide.models import MODELS, ModelSpec, build_model  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _timing import best_seconds, synchronized_seconds  # noqa: E402
+
 # Published sizes (diffusers/transformers configs of runwayml/stable-diffusion-v1-5 and
 # stabilityai/stable-diffusion-2-1-unclip); "small" keeps the structure at a few channels for a CPU.
 PRESETS = {
@@ -125,16 +128,6 @@ def build_pipeline(folder: Path, sizes: dict, unclip: bool, seed: int = 0) -> Pa
     return folder
 
 
-def synchronized_seconds(fn) -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else float("nan")
 
@@ -186,7 +179,7 @@ def features(model, cfg: dict, size: int) -> dict:
     bare()
     encode()
     reset_peak()
-    t_extract, t_bare, t_vae = (min(synchronized_seconds(f) for _ in range(3)) for f in (extract, bare, encode))
+    t_extract, t_bare, t_vae = (best_seconds(f, warmup=False) for f in (extract, bare, encode))
     # The target compares the feature pass with the UNet pass it hooks; the VAE encode is the same for any
     # use of the latents, so it is timed on its own and taken out of that ratio.
     return {"img_s": n / t_extract, "bare_unet_img_s": n / t_bare, "vae_encode_img_s": n / t_vae,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,20 +29,8 @@ from fedguide.guidance.model import GuidanceModel  # noqa: E402
 from fedguide.guidance.samplers import SamplerConfig, sample  # noqa: E402
 from fedguide.guidance.tiny import build_tiny_pipeline  # noqa: E402
 
-
-def timed(fn, repeat: int = 3) -> float:
-    """Best of ``repeat`` wall times of fn() (after one warm-up call), synchronising CUDA."""
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _timing import best_seconds  # noqa: E402
 
 
 def tiny(args) -> tuple[float, float]:
@@ -53,7 +40,8 @@ def tiny(args) -> tuple[float, float]:
     images = torch.rand(args.images, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
     prompts = ["a photo of a cat"] * args.images
     feats = DiffusionFeatures(model, FeatureSpec(layers, t=150), FusedFeatures(layers, d=64, samples_per_image=16))
-    feats.fit(images[:64], prompts[:64], np.arange(64), batch_size=64)
+    fit = min(64, args.images)  # the PCA basis is fitted on the first images
+    feats.fit(images[:fit], prompts[:fit], np.arange(fit), batch_size=fit)
     b = args.batch
 
     def extract():
@@ -68,10 +56,10 @@ def tiny(args) -> tuple[float, float]:
             for _ in range(0, args.images, b):
                 model.eps(latents, 150, context)
 
-    t_extract, t_bare = timed(extract), timed(bare)
+    t_extract, t_bare = best_seconds(extract), best_seconds(bare)
     extract_s, bare_s = args.images / t_extract, args.images / t_bare
     config = SamplerConfig(steps=20, guidance_scale=3.0, batch_size=args.sample_images, progress=False)
-    t_sample = timed(lambda: sample(model, ["a photo of a cat"] * args.sample_images, config), repeat=1)
+    t_sample = best_seconds(lambda: sample(model, ["a photo of a cat"] * args.sample_images, config), repeat=1)
     sample_s = args.sample_images / t_sample
     print(f"tiny pipeline, CPU ({torch.get_num_threads()} threads), batch {b}:")
     print(f"  extraction (VAE + noise + hooked UNet + fused PCA): {extract_s:8.1f} img/s")
