@@ -15,13 +15,14 @@ Writes benchmarks/results/diffusion_methods/layer_sweep.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _runs import ensure_run, summary  # noqa: E402
+
 CONFIG = REPO / "configs/demo.yaml"
 OUT_FILE = REPO / "benchmarks" / "results" / "diffusion_methods" / "layer_sweep.md"
 TAIL = 5
@@ -49,10 +50,7 @@ def main() -> None:
     rows = []
     for name, overrides in VARIANTS.items():
         out = args.out / f"{slug(name)}-s{args.seed}"
-        if not (out / "summary.json").exists():
-            cmd = ["run", str(CONFIG), "--quiet", "--out", str(out), f"seed={args.seed}", *overrides]
-            subprocess.run([sys.executable, "-m", "fedguide.cli", *cmd], check=True, cwd=REPO)
-        s = json.loads((out / "summary.json").read_text())
+        s = summary(ensure_run(CONFIG, out, [f"seed={args.seed}", *overrides]))
         tail = statistics.mean(s["accuracy_curve"][-TAIL:])
         rows.append((name, s["final_accuracy"], tail, s["best_accuracy"]))
         print(f"{name:<36} final {100 * s['final_accuracy']:.2f}%  last-{TAIL} {100 * tail:.2f}%", flush=True)

@@ -29,11 +29,13 @@ import argparse
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _runs import cli, ensure_run, mean_std, seed_note, summary  # noqa: E402
+
 CONFIG = REPO / "configs/feddifrc_fmnist.yaml"
 RESULTS = REPO / "benchmarks" / "results" / "diffusion_methods"
 SCENARIOS = {
@@ -55,44 +57,19 @@ TAIL = 5  # rounds averaged in the last-rounds table
 
 
 def registered() -> set[str]:
-    out = subprocess.run([sys.executable, "-m", "fedguide.cli", "list", "--json"], check=True, cwd=REPO,
-                         capture_output=True, text=True).stdout
+    out = cli("list", "--json", capture=True)
     return {m["name"] for m in json.loads(out)["methods"]}
 
 
 def run(out: Path, overrides: list[str]) -> Path:
-    if not (out / "summary.json").exists():
-        if (out / "checkpoints").is_dir():
-            cmd = ["resume", str(out), "--quiet"]
-        else:
-            cmd = ["run", str(CONFIG), "--quiet", "--out", str(out), *overrides]
-        subprocess.run([sys.executable, "-m", "fedguide.cli", *cmd], check=True, cwd=REPO)
-    final = json.loads((out / "summary.json").read_text())["final_accuracy"]
-    print(f"{out.parent.name}/{out.name:<16} final {100 * final:.2f}%", flush=True)
+    ensure_run(CONFIG, out, overrides)
+    print(f"{out.parent.name}/{out.name:<16} final {100 * summary(out)['final_accuracy']:.2f}%", flush=True)
     return out
-
-
-def summary(path: Path) -> dict:
-    return json.loads((path / "summary.json").read_text())
 
 
 def extraction_seconds(path: Path, method: str) -> float | None:
     record = path / "guidance" / f"{method}.json"
     return json.loads(record.read_text()).get("setup_seconds") if record.is_file() else None
-
-
-def seed_count(n: int, seeds: int) -> str:
-    """'' when a cell has every seed of the table, else how many it has."""
-    return "" if n == seeds else f" ({n} seed{'s' if n > 1 else ''})"
-
-
-def mean_std(values: list[float], seeds: int) -> str:
-    """Mean ± sample std; a cell with fewer runs than the table's seeds says how many it has."""
-    if not values:
-        return "—"
-    if len(values) == 1:
-        return f"{100 * values[0]:.2f}{seed_count(1, seeds)}"
-    return f"{100 * statistics.mean(values):.2f} ± {100 * statistics.stdev(values):.2f}{seed_count(len(values), seeds)}"
 
 
 def finished(out: Path, scenarios: list[str], seeds: list[int]) -> dict:
@@ -126,7 +103,7 @@ def write_tables(runs: dict, scenarios: list[str], methods: list[str], seeds: li
                 continue
             paired = [summaries[sc, m, s]["final_accuracy"] - summaries[sc, "fedavg", s]["final_accuracy"]
                       for s in seeds if (sc, m, s) in summaries and (sc, "fedavg", s) in summaries]
-            cells.append(f"{100 * statistics.mean(paired):+.2f}{seed_count(len(paired), len(seeds))}" if paired else "—")
+            cells.append(f"{100 * statistics.mean(paired):+.2f}{seed_note(len(paired), len(seeds))}" if paired else "—")
         gains.append(f"| {sc} | " + " | ".join(cells) + " |")
     # At Dirichlet 0.05 the global accuracy swings by several points from one round to the next, so one
     # round's number is noisy; the mean of the last rounds is reported beside it (not instead of it).
@@ -184,8 +161,7 @@ def main() -> None:
     methods = [m for m in METHODS if any(key[1] == m for key in runs)]
     for sc in args.scenarios:
         paths = [str(runs[sc, m, s]) for m in methods for s in args.seeds if (sc, m, s) in runs]
-        subprocess.run([sys.executable, "-m", "fedguide.cli", "report", *paths, "--out", str(RESULTS / sc)],
-                       check=True, cwd=REPO)
+        cli("report", *paths, "--out", RESULTS / sc)
     write_tables(runs, args.scenarios, methods, args.seeds)
     argv = [".venv/bin/python", "benchmarks/diffusion_methods_suite.py", *sys.argv[1:]]
     # Every invocation that fed the tables is recorded (the baselines may come from a separate one).

@@ -30,12 +30,14 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _runs import ensure_run, mean_std, metrics, summary  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results" / "fedcado"
 SCENARIOS = {"digits": ("configs/fedcado_digits.yaml", "feature skew"),
              "fmnist": ("configs/fedcado_fmnist.yaml", "label skew")}
@@ -71,23 +73,9 @@ def overrides_of(row: str, root: Path, seed: int, hetero: bool) -> list[str]:
 
 
 def run(config: str, out: Path, overrides: list[str]) -> Path:
-    if (out / "summary.json").exists():
-        return out
-    cli = [sys.executable, "-m", "fedguide.cli"]
-    if (out / "config.yaml").exists():
-        subprocess.run(cli + ["resume", str(out)], check=True, cwd=REPO)
-    else:
-        subprocess.run(cli + ["run", config, "--out", str(out), *overrides], check=True, cwd=REPO)
+    ensure_run(config, out, overrides, quiet=False)
     print(f"{out.relative_to(out.parents[1])}: final {100 * summary(out)['final_accuracy']:.2f}%", flush=True)
     return out
-
-
-def summary(run_dir: Path) -> dict[str, Any]:
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def metrics(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def client_classes(root: Path, seed: int) -> list[list[int]]:
@@ -126,15 +114,6 @@ def columns_of(run_dir: Path, kind: str, classes: list[list[int]]) -> tuple[list
         domains = summary(run_dir)["domain_accuracy"]
         return list(domains), list(domains.values())
     return [f"client{i}" for i in range(len(classes))], per_client_accuracy(run_dir, classes)
-
-
-def mean_std(values: list[float]) -> str:
-    if not values:
-        return "–"
-    m = 100 * statistics.fmean(values)
-    if len(values) == 1:
-        return f"{m:.2f} (1 seed)"  # no spread to report
-    return f"{m:.2f} ± {100 * statistics.stdev(values):.2f}"
 
 
 def table(title: str, kind: str, runs: dict[str, list[Path]], classes: dict[int, list[list[int]]],

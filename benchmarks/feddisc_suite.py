@@ -11,8 +11,8 @@ Methods: feddisc, centroid_finetune and zero_shot (one round), fedavg_sm, semifl
 first setting given: Table 4 (no domain features, random features instead of centroids) and the L and R
 sweeps of Tables 2-3 (L = 3, 5, 10 for feddisc and centroid_finetune; R = 3, 5, 10).
 
-Resumable: a run directory with summary.json is kept; one with a checkpoint is continued with
-``fedguide resume``; anything else is started afresh. Results land in benchmarks/results/feddisc/<setting>/:
+Resumable: a run directory with summary.json is kept; a started one is continued with ``fedguide resume``;
+a missing one is started. Results land in benchmarks/results/feddisc/<setting>/:
 table.md (per-client and average accuracy, mean ± std over seeds), privacy.json and feddisc_samples.png of
 seed 0, ablations.md, and ``fedguide report`` of every run (report/).
 
@@ -25,11 +25,13 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _runs import cli, ensure_run, mean_std, metrics, summary  # noqa: E402
+
 CONFIGS = {"digits": REPO / "configs/feddisc_digits.yaml", "fmnist": REPO / "configs/feddisc_fmnist.yaml"}
 ONE_SHOT = ("feddisc", "centroid_finetune", "zero_shot")
 MULTI_ROUND = ("fedavg_sm", "semifl", "rscfed")
@@ -39,23 +41,15 @@ RESULTS = REPO / "benchmarks" / "results" / "feddisc"
 
 def run(config: Path, out: Path, overrides: list[str]) -> Path:
     """The finished run directory of ``config`` with ``overrides``: kept, resumed or started."""
-    if not (out / "summary.json").exists():
-        if (out / "checkpoints").is_dir() and (out / "config.yaml").is_file():
-            subprocess.run([sys.executable, "-m", "fedguide.cli", "resume", str(out), "--quiet"], check=True, cwd=REPO)
-        else:
-            if out.exists():
-                shutil.rmtree(out)
-            subprocess.run([sys.executable, "-m", "fedguide.cli", "run", str(config), "--quiet", "--out", str(out),
-                            *overrides], check=True, cwd=REPO)
-    final = json.loads((out / "summary.json").read_text())["final_accuracy"]
-    print(f"{out.parent.name}/{out.name:<36} final {100 * final:.2f}%", flush=True)
+    ensure_run(config, out, overrides)
+    print(f"{out.parent.name}/{out.name:<36} final {100 * summary(out)['final_accuracy']:.2f}%", flush=True)
     return out
 
 
 def client_accuracies(run_dir: Path) -> list[float]:
     """Each client's accuracy: its domain's (one domain per client) or its class mix's."""
     partition = json.loads((run_dir / "partition.json").read_text())
-    last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()][-1]
+    last = metrics(run_dir)[-1]
     domains = partition.get("domain_counts")
     if domains and all(max(row) >= 0.99 * sum(row) for row in domains):
         names = partition["domain_names"]
@@ -72,12 +66,6 @@ def client_names(run_dir: Path) -> list[str]:
     return [f"client{k}" for k in range(len(partition["counts"]))]
 
 
-def mean_std(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{100 * values[0]:.2f}"
-    return f"{100 * statistics.fmean(values):.2f} ± {100 * statistics.stdev(values):.2f}"
-
-
 def table(rows: dict[str, list[Path]]) -> str:
     """Markdown: one row per method, one column per client and the average, mean ± std over seeds."""
     first = next(iter(rows.values()))[0]
@@ -85,7 +73,7 @@ def table(rows: dict[str, list[Path]]) -> str:
     lines = ["| method | rounds | " + " | ".join(names) + " | average |", "|---" * (len(names) + 3) + "|"]
     for method, dirs in rows.items():
         per_seed = [client_accuracies(d) for d in dirs]
-        rounds = json.loads((dirs[0] / "summary.json").read_text())["rounds"]
+        rounds = summary(dirs[0])["rounds"]
         cells = [mean_std([s[k] for s in per_seed]) for k in range(len(names))]
         cells.append(mean_std([statistics.fmean(s) for s in per_seed]))
         lines.append(f"| {method} | {rounds} | " + " | ".join(cells) + " |")
@@ -134,8 +122,7 @@ def main() -> None:
                     "method.name=feddisc", f"method.images_per_centroid={value}"])]
             (dest / "ablations.md").write_text(table(ablation))
             runs += [d for dirs in ablation.values() for d in dirs]
-        subprocess.run([sys.executable, "-m", "fedguide.cli", "report", *map(str, runs), "--out", str(dest / "report")],
-                       check=True, cwd=REPO)
+        cli("report", *runs, "--out", dest / "report")
         print((dest / "table.md").read_text(), flush=True)
 
 

@@ -10,26 +10,21 @@ plots, SL/CR heatmaps) land in benchmarks/results/feddw/<setting>/.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _runs import cli, ensure_run, summary  # noqa: E402
+
 CONFIG = REPO / "configs/feddw_fmnist.yaml"
 SETTINGS = {"practical": [], "pathological": ["partition.alpha=0.1", "clients.per_round=5"]}
 MUS = (0.01, 0.1, 1.0, 10.0)
 
 
 def run(out: Path, overrides: list[str]) -> Path:
-    if not (out / "summary.json").exists():
-        if out.exists():
-            shutil.rmtree(out)
-        subprocess.run([sys.executable, "-m", "fedguide.cli", "run", str(CONFIG), "--quiet", "--out", str(out),
-                        *overrides], check=True, cwd=REPO)
-    final = json.loads((out / "summary.json").read_text())["final_accuracy"]
-    print(f"{out.name:<28} final {100 * final:.2f}%", flush=True)
+    ensure_run(CONFIG, out, overrides)
+    print(f"{out.name:<28} final {100 * summary(out)['final_accuracy']:.2f}%", flush=True)
     return out
 
 
@@ -43,7 +38,7 @@ def main() -> None:
         base = SETTINGS[setting]
         root = args.out / setting
         sweep = {mu: run(root / f"sweep-mu={mu}", base + ["seed=0", "method.name=feddw", f"method.mu={mu}"]) for mu in MUS}
-        mu = max(MUS, key=lambda m: json.loads((sweep[m] / "summary.json").read_text())["final_accuracy"])
+        mu = max(MUS, key=lambda m: summary(sweep[m])["final_accuracy"])
         print(f"{setting}: chosen mu = {mu}", flush=True)
         runs = []
         for seed in args.seeds:
@@ -55,8 +50,7 @@ def main() -> None:
                      run(root / f"moon+dw-s{seed}", base + s + ["method.name=moon", f"regularizers=[{{name: dw, mu: {mu}}}]"])]
         dest = REPO / "benchmarks" / "results" / "feddw" / setting
         for name, paths in (("sweep", list(sweep.values())), ("table", runs)):
-            subprocess.run([sys.executable, "-m", "fedguide.cli", "report", *map(str, paths), "--out", str(dest / name)],
-                           check=True, cwd=REPO)
+            cli("report", *paths, "--out", dest / name)
         (dest / "chosen_mu.txt").write_text(f"{mu}\n")
 
 

@@ -1,0 +1,57 @@
+"""What the benchmark suites share: runs through the CLI (kept, resumed or started), their records, and
+the mean ± std cells of their tables."""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: Any, capture: bool = False) -> str:
+    """``fedguide`` with these arguments, from the repository root; its stdout when ``capture``."""
+    done = subprocess.run([sys.executable, "-m", "fedguide.cli", *map(str, args)], check=True, cwd=REPO,
+                          capture_output=capture, text=True)
+    return done.stdout if capture else ""
+
+
+def ensure_run(config: Path | str, out: Path, overrides: list[str], quiet: bool = True) -> Path:
+    """The finished run in ``out``: kept when it has its summary.json, continued with ``fedguide resume``
+    when it was started (its config.yaml is there: checkpoints, or a one-shot method's finished clients,
+    are picked up), else started with ``overrides``."""
+    if not (out / "summary.json").exists():
+        flags = ["--quiet"] if quiet else []
+        if (out / "config.yaml").is_file():
+            cli("resume", out, *flags)
+        else:
+            cli("run", config, *flags, "--out", out, *overrides)
+    return out
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def seed_note(n: int, seeds: Optional[int] = None) -> str:
+    """'' for a cell with every seed of its table (``seeds``; without it, with more than one run), else how
+    many runs it has."""
+    return f" ({n} seed{'s' if n > 1 else ''})" if (n < seeds if seeds else n == 1) else ""
+
+
+def mean_std(values: list[float], seeds: Optional[int] = None) -> str:
+    """Fractions as 'mean ± sample std' in percent, with ``seed_note``."""
+    if not values:
+        return "—"
+    n = len(values)
+    note = seed_note(n, seeds)
+    if n == 1:
+        return f"{100 * values[0]:.2f}{note}"
+    return f"{100 * statistics.fmean(values):.2f} ± {100 * statistics.stdev(values):.2f}{note}"
