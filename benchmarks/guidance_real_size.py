@@ -186,7 +186,8 @@ def features(model, cfg: dict, size: int) -> dict:
             "ratio_to_bare_unet": (t_extract - t_vae) / t_bare, "finite": True}
 
 
-def generation(model, cfg: dict, steps: int, loss_fn=None, edit_steps: int = 0, conditions=(), prompts=None) -> dict:
+def generation(model, cfg: dict, steps: int, loss_fn=None, edit_steps: int = 0, conditions=(),
+               prompts=None) -> dict:
     b = cfg["batch"]
     prompts = prompts or prompts_for(b)
     config = SamplerConfig(steps=steps, guidance_scale=3.0, batch_size=b, edit_steps=edit_steps, progress=False)
