@@ -17,7 +17,10 @@ table.md (per-client and average accuracy, mean ± std over seeds), privacy.json
 seed 0, ablations.md, and ``fedguide report`` of every run (report/).
 
     .venv/bin/python benchmarks/feddisc_suite.py [--out runs/feddisc] [--settings digits fmnist] [--ablations]
-        [--seeds 0 1 2] [--set KEY=VALUE ...]
+        [--seeds 0 1 2] [--methods feddisc zero_shot ...] [--set KEY=VALUE ...]
+
+``--methods`` runs and tabulates only those methods (e.g. the baselines first, while the generator is
+still training); a later call without it fills in the rest and writes the whole table.
 """
 from __future__ import annotations
 
@@ -85,6 +88,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "feddisc")
     ap.add_argument("--settings", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--methods", nargs="+", default=list(ONE_SHOT + MULTI_ROUND), choices=ONE_SHOT + MULTI_ROUND)
     ap.add_argument("--rounds", type=int, default=30, help="rounds of the multi-round baselines")
     ap.add_argument("--ablations", action="store_true", help="Table 4 and the L/R sweeps on seed 0")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -93,19 +97,18 @@ def main() -> None:
     for i, setting in enumerate(args.settings):
         config, root, dest = CONFIGS[setting], args.out / setting, RESULTS / setting
         dest.mkdir(parents=True, exist_ok=True)
-        rows: dict[str, list[Path]] = {method: [] for method in ONE_SHOT + MULTI_ROUND}
+        rows: dict[str, list[Path]] = {method: [] for method in ONE_SHOT + MULTI_ROUND if method in args.methods}
         for seed in args.seeds:  # seed-major: an interrupted suite leaves whole seeds, not whole methods
             for method in rows:
                 rounds = 1 if method in ONE_SHOT else args.rounds
                 rows[method].append(run(config, root / f"{method}-s{seed}", [
                     f"seed={seed}", f"method.name={method}", f"train.rounds={rounds}", *args.set]))
         (dest / "table.md").write_text(table(rows))
-        seed0 = rows["feddisc"][0]
         for name in ("privacy.json", "feddisc_samples.png"):
-            if (seed0 / name).is_file():
-                shutil.copy(seed0 / name, dest / name)
+            if "feddisc" in rows and (rows["feddisc"][0] / name).is_file():
+                shutil.copy(rows["feddisc"][0] / name, dest / name)
         runs = [d for dirs in rows.values() for d in dirs]
-        if args.ablations and i == 0:
+        if args.ablations and i == 0 and "feddisc" in rows:
             s0 = [f"seed={args.seeds[0]}", "train.rounds=1", *args.set]
             ablation = {
                 "feddisc": [rows["feddisc"][0]],

@@ -121,3 +121,29 @@ def test_a_killed_pretraining_resumes_to_the_same_models(tmp_path, monkeypatch):
     for part in ("unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"):
         a, b = load_file(clean / part), load_file(resumed / part)
         assert all(torch.equal(a[k], b[k]) for k in a), part
+    card = (resumed / "MODEL_CARD.md").read_text()
+    assert "train_zero_shot=" in card and "reused=True" in card  # the killed run's lines stay beside the resumed run's
+
+
+def test_mixed_batches_hold_each_datasets_share_and_cycle_the_small_one():
+    from fedguide.guidance.embedded.pretrain import MixedStepBatches
+
+    groups = torch.tensor([0] * 600 + [1] * 43)
+    draw = MixedStepBatches(groups, (0.6, 0.4), 20, seed=3)
+    again = MixedStepBatches(groups, (0.6, 0.4), 20, seed=3)
+    batches = [draw(step) for step in range(30)]
+    assert all(torch.equal(b, again(step)) for step, b in enumerate(batches))  # a pure function of the step
+    for b in batches:
+        assert len(b) == 20 and int((groups[b] == 1).sum()) == 8 and len(set(b.tolist())) == 20
+    small = torch.cat(batches)[groups[torch.cat(batches)] == 1]
+    assert set(small.tolist()) == set(range(600, 643))  # 240 draws from 43 images: every one revisited
+    uneven = MixedStepBatches(groups, (0.55, 0.45), 7, seed=0)(0)
+    assert len(uneven) == 7 and int((groups[uneven] == 1).sum()) == 3
+
+
+@pytest.mark.parametrize("share", [(1.0,), (0.7, 0.4), (1.2, -0.2)])
+def test_a_bad_dataset_share_is_refused_before_training(share):
+    from fedguide.guidance.embedded.pretrain import PretrainSettings
+
+    with pytest.raises(ValueError, match="unet_dataset_share needs one non-negative share per dataset"):
+        PretrainSettings(unet_dataset_share=share)

@@ -22,6 +22,10 @@ Stages, each seeded from ``seed`` and logged to ``train_log.jsonl`` (step, loss,
    independently, so the model knows p(x), p(x|text), p(x|image) and p(x|text, image) —
    classifier-free and composed guidance need all four. Latents are drawn from the VAE posterior
    each step (mean and std stored once). The shipped weights are the EMA of the training weights.
+   ``unet_dataset_share`` fixes each dataset's share of every UNet batch: digits_domains' public slice
+   is 430 images beside Fashion-MNIST's 6000, and drawn in proportion (6.7 % of a batch) the UNet never
+   learns to draw digits (16 % of its text-conditioned digits were recognisable); at 0.4 it sees each
+   digits image ~9x as often. ``None`` draws batches uniformly over the pool.
 
 The output folder has the SD layout (unet/, vae/, scheduler/, tokenizer/, image_encoder/,
 model_index.json) plus fedguide.json (the packaged text encoder, the embedded image encoder, the image
@@ -66,21 +70,30 @@ class PretrainSettings:
     vae_batch: int = 64
     vae_lr: float = 1e-3
     vae_kl: float = 1e-4
-    unet_steps: int = 3000
+    unet_steps: int = 4500
     unet_batch: int = 128
     unet_lr: float = 3e-4
     unet_channels: tuple[int, ...] = (64, 128, 128, 128)
     ema_decay: float = 0.999
     p_drop_text: float = 0.1
     p_drop_image: float = 0.5
+    unet_dataset_share: Optional[tuple[float, ...]] = (0.6, 0.4)  # per dataset in DATASETS order; None: uniform
     max_per_class: Optional[int] = None  # a smaller pool for quick checks (the shipped models use all of it)
     checkpoint_every: int = 250  # UNet steps between checkpoints of a run that may be killed
+
+    def __post_init__(self):
+        share = self.unet_dataset_share
+        # Checked here, not when the UNet stage starts an hour into a run.
+        if share is not None and (len(share) != len(DATASETS) or min(share) < 0 or abs(sum(share) - 1) > 1e-6):
+            raise ValueError(f"unet_dataset_share needs one non-negative share per dataset {DATASETS} summing to 1 "
+                             f"(or None for uniform batches), got {tuple(share)}")
 
 
 @dataclass
 class Pool:
     images: torch.Tensor  # [N, 3, 32, 32] in [-1, 1]
     labels: torch.Tensor  # [N] prompt index
+    sources: torch.Tensor  # [N] index into DATASETS
     prompts: list[str]
     slices: list[dict]  # per dataset: name, public indices count, per-class counts, sha256 of indices
 
@@ -90,8 +103,8 @@ def load_pool(settings: PretrainSettings) -> Pool:
     from fedguide.data.federated import public_pool
     from fedguide.data.sources.base import DATASETS as SOURCES
 
-    images, labels, prompts, slices = [], [], [], []
-    for name in DATASETS:
+    images, labels, sources, prompts, slices = [], [], [], [], []
+    for position, name in enumerate(DATASETS):
         splits = SOURCES.get(name).obj(SOURCES.parse_params(name, {}, "data"))
         idx = public_pool(splits.train_y.numpy(), settings.public_fraction, settings.public_seed)
         if settings.max_per_class is not None:
@@ -101,18 +114,21 @@ def load_pool(settings: PretrainSettings) -> Pool:
         x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False) if x.shape[-1] != 32 else x
         images.append(x.expand(-1, 3, -1, -1).contiguous())
         labels.append(splits.train_y[idx] + len(prompts))
+        sources.append(torch.full((len(idx),), position, dtype=torch.long))
         prompts += [PROMPT.format(c.lower()) for c in splits.class_names]
         slices.append({"dataset": name, "public_fraction": settings.public_fraction,
                        "public_seed": settings.public_seed, "images": int(len(idx)),
                        "per_class": np.bincount(splits.train_y[idx].numpy()).tolist(),
                        "indices_sha256": hashlib.sha256(np.asarray(idx, np.int64).tobytes()).hexdigest()})
-    return Pool(torch.cat(images), torch.cat(labels), prompts, slices)
+    return Pool(torch.cat(images), torch.cat(labels), torch.cat(sources), prompts, slices)
 
 
 class Log:
     def __init__(self, path: Path, quiet: bool):
         self.path, self.quiet, self.start = path, quiet, time.perf_counter()
-        self.rows: list[dict] = []
+        # A resumed run's card keeps the lines of the runs that trained its reused stages.
+        self.rows: list[dict] = ([json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+                                 if path.is_file() else [])
 
     def __call__(self, stage: str, **row) -> None:
         row = {"stage": stage, "seconds": round(time.perf_counter() - self.start, 1), **row}
@@ -145,6 +161,21 @@ class StepBatches:
             self._perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
             self._epoch = epoch
         return self._perm[pos * self.batch:(pos + 1) * self.batch]
+
+
+class MixedStepBatches:
+    """Like StepBatches, with a fixed number of each group's items in every batch (each group cycles
+    through its own seeded permutations, so a small group is revisited more often than a large one)."""
+
+    def __init__(self, groups: torch.Tensor, shares: tuple[float, ...], batch: int, seed: int):
+        counts = [int(round(share * batch)) for share in shares]
+        counts[int(np.argmax(counts))] += batch - sum(counts)
+        self.parts = [(members, StepBatches(len(members), count, seed * 7919 + g))
+                      for g, count in enumerate(counts) if count > 0
+                      for members in [torch.nonzero(groups == g).flatten()]]
+
+    def __call__(self, step: int) -> torch.Tensor:
+        return torch.cat([members[draw(step)] for members, draw in self.parts])
 
 
 def _save_atomic(obj, path: Path) -> None:
@@ -284,7 +315,8 @@ def train_unet(pool: Pool, lat_mean, lat_std, tokens, empty_tokens, image_tokens
         opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + np.cos(np.pi * min(i, s.unet_steps) / s.unet_steps)))
     ddpm = noise_scheduler()
     gen = torch.Generator().manual_seed(s.seed + 5)
-    batch_at = StepBatches(len(pool.images), s.unet_batch, s.seed + 6)
+    batch_at = (StepBatches(len(pool.images), s.unet_batch, s.seed + 6) if s.unet_dataset_share is None
+                else MixedStepBatches(pool.sources, tuple(s.unet_dataset_share), s.unet_batch, s.seed + 6))
     key = _stage_key(s, "unet", "ema", "p_drop")
     start, running = 0, None
     saved = _load_stage(checkpoint, key) if checkpoint is not None else None
@@ -438,6 +470,11 @@ def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command
         vae.save_pretrained(tmp / "vae")
         noise_scheduler().save_pretrained(tmp / "scheduler")
         tokenizer.save_pretrained(tmp / "tokenizer")
+        # transformers records whether the hub was offline while saving; the shipped files must not
+        # depend on the machine that trained them.
+        tok_config = tmp / "tokenizer" / "tokenizer_config.json"
+        tok_config.write_text(json.dumps({k: v for k, v in json.loads(tok_config.read_text()).items()
+                                          if k != "local_files_only"}, indent=2, ensure_ascii=False) + "\n")
         (tmp / "image_encoder").mkdir()
         save_file({k: v.contiguous() for k, v in proj.state_dict().items()}, tmp / "image_encoder" / "projection.safetensors")
         (tmp / "image_encoder" / "config.json").write_text(json.dumps(
