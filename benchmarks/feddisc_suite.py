@@ -7,7 +7,8 @@
   mix (Σ_c n_kc·acc_c / n_k, the test set being balanced).
 
 Methods: feddisc, centroid_finetune and zero_shot (one round), fedavg_sm, semifl and rscfed
-(``--rounds``, 30 by default; the paper runs 30, 500 and 100). ``--ablations`` adds, on seed 0 and the
+(``--rounds``, 30 by default; the paper runs 30, 500 and 100), and feddisc_plus_centroids (not in the
+paper: FedDISC's head trained on its generated images and the uploaded centroids together). ``--ablations`` adds, on seed 0 and the
 first setting given: Table 4 (no domain features, random features instead of centroids) and the L and R
 sweeps of Tables 2-3 (L = 3, 5, 10 for feddisc and centroid_finetune; R = 3, 5, 10).
 
@@ -38,6 +39,10 @@ from _runs import cli, ensure_run, mean_std, metrics, summary  # noqa: E402
 CONFIGS = {"digits": REPO / "configs/feddisc_digits.yaml", "fmnist": REPO / "configs/feddisc_fmnist.yaml"}
 ONE_SHOT = ("feddisc", "centroid_finetune", "zero_shot")
 MULTI_ROUND = ("fedavg_sm", "semifl", "rscfed")
+# Not a method of the paper: FedDISC with its head trained on the generated images and the uploaded
+# centroids together (``method.head_train_set``), to see whether generation adds to the centroids.
+VARIANTS = {"feddisc_plus_centroids": ["method.name=feddisc", "method.head_train_set=generated_and_centroids"]}
+ALL = ONE_SHOT + MULTI_ROUND + tuple(VARIANTS)
 SWEEP = (3, 5, 10)
 RESULTS = REPO / "benchmarks" / "results" / "feddisc"
 
@@ -88,7 +93,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "feddisc")
     ap.add_argument("--settings", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--methods", nargs="+", default=list(ONE_SHOT + MULTI_ROUND), choices=ONE_SHOT + MULTI_ROUND)
+    ap.add_argument("--methods", nargs="+", default=list(ALL), choices=ALL)
     ap.add_argument("--rounds", type=int, default=30, help="rounds of the multi-round baselines")
     ap.add_argument("--ablations", action="store_true", help="Table 4 and the L/R sweeps on seed 0")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -97,12 +102,13 @@ def main() -> None:
     for i, setting in enumerate(args.settings):
         config, root, dest = CONFIGS[setting], args.out / setting, RESULTS / setting
         dest.mkdir(parents=True, exist_ok=True)
-        rows: dict[str, list[Path]] = {method: [] for method in ONE_SHOT + MULTI_ROUND if method in args.methods}
+        rows: dict[str, list[Path]] = {method: [] for method in ALL if method in args.methods}
         for seed in args.seeds:  # seed-major: an interrupted suite leaves whole seeds, not whole methods
             for method in rows:
-                rounds = 1 if method in ONE_SHOT else args.rounds
+                rounds = args.rounds if method in MULTI_ROUND else 1
                 rows[method].append(run(config, root / f"{method}-s{seed}", [
-                    f"seed={seed}", f"method.name={method}", f"train.rounds={rounds}", *args.set]))
+                    f"seed={seed}", *VARIANTS.get(method, [f"method.name={method}"]), f"train.rounds={rounds}",
+                    *args.set]))
         (dest / "table.md").write_text(table(rows))
         for name in ("privacy.json", "feddisc_samples.png"):
             if "feddisc" in rows and (rows["feddisc"][0] / name).is_file():

@@ -287,6 +287,14 @@ def test_table4_ablations_run(pipeline, cache, tmp_path, ablation):
     assert row["privacy"]["min_samples_per_vector"] == expected_m
 
 
+def test_head_can_train_on_generated_images_and_centroids(pipeline, cache, tmp_path):
+    cfg = config(pipeline, cache, {"name": "feddisc", **FAST, "sample_grid": 0,
+                                   "head_train_set": "generated_and_centroids"})
+    _, (row,), _ = run_tiny(tmp_path, cfg)
+    assert row["train_centroids"] > 0 and row["generated_images"] > 0
+    assert row["head_train_samples"] == row["generated_images"] + row["train_centroids"]
+
+
 def test_one_shot_needs_every_client_in_round_one(pipeline, cache, tmp_path):
     cfg = config(pipeline, cache, {"name": "feddisc", **FAST}, clients={"num": 2, "per_round": 1})
     with pytest.raises(ConfigError, match="per_round"):

@@ -27,6 +27,9 @@ Decisions where the paper is silent:
 - Ablations (Table 4): ``use_domain_features: false`` drops the w_g term; ``random_centroids: true``
   uploads random member features instead of centroids. Tables 2-3: ``num_centroids`` (L) and
   ``images_per_centroid`` (R).
+- Not in the paper, off by default: ``head_train_set: generated_and_centroids`` trains the head on the
+  generated images' features and the uploaded noisy centroids (as centroid_finetune takes them)
+  together, which tells whether generation adds anything the centroids do not already carry.
 """
 from __future__ import annotations
 
@@ -62,6 +65,9 @@ class FedDISCParams(CentroidParams):
     prompt: str = Field("a photo of a {}", description="class prompt template, filled with the lower-cased class name")
     gen_batch_size: int = Field(64, ge=1, description="images per sampler batch")
     sample_grid: int = Field(8, ge=0, description="generated images per class written to feddisc_samples.png (0: none)")
+    head_train_set: Literal["generated", "generated_and_centroids"] = Field(
+        "generated", description="what the server's head trains on: the generated images (the paper) or those "
+                                 "plus the uploaded noisy centroids (a diagnostic: do the images add to the centroids?)")
 
 
 # ---- Eq. 6: what to generate -----------------------------------------------------------------------------
@@ -185,10 +191,16 @@ class FedDISC(CentroidOneShot):
                 grid.append(torch.cat(kept))
         generation_seconds = time.perf_counter() - t0
         x, y = torch.cat(gen_feats), torch.cat(gen_labels)
+        extra = {}
+        if p.head_train_set == "generated_and_centroids":
+            centroids = torch.cat([u["centroids"] for u in uploads]).float()
+            x = torch.cat([x, centroids])
+            y = torch.cat([y, torch.cat([u["centroid_labels"] for u in uploads]).long()])
+            extra["train_centroids"] = int(len(centroids))
         head = new_head(feats.dim, self.run.num_classes, self.head_seed())
         head, loss = train_head(head, x, y, p.head_epochs, p.head_lr, p.head_batch_size, p.head_momentum,
                                 p.head_weight_decay, torch.Generator().manual_seed(self.head_seed() % 2 ** 31))
         if p.sample_grid:
             save_grid(grid, self.run.run_dir / "feddisc_samples.png")
-        return head, {"generated_images": int(len(y)), "generation_seconds": generation_seconds,
-                      "head_train_loss": loss}
+        return head, {"generated_images": int(len(plan.labels)), "head_train_samples": int(len(y)), **extra,
+                      "generation_seconds": generation_seconds, "head_train_loss": loss}
