@@ -8,9 +8,10 @@
 
 Methods: feddisc, centroid_finetune and zero_shot (one round), fedavg_sm, semifl and rscfed
 (``--rounds``, 30 by default; the paper runs 30, 500 and 100), and feddisc_plus_centroids (not in the
-paper: FedDISC's head trained on its generated images and the uploaded centroids together). ``--ablations`` adds, on seed 0 and the
-first setting given: Table 4 (no domain features, random features instead of centroids) and the L and R
-sweeps of Tables 2-3 (L = 3, 5, 10 for feddisc and centroid_finetune; R = 3, 5, 10).
+paper: FedDISC's head trained on its generated images and the uploaded centroids together).
+``--ablations`` adds, on seed 0 and the first setting given: Table 4 (no domain features, random
+features instead of centroids) and the L and R sweeps of Tables 2-3 (L = 3, 5, 10 for feddisc and
+centroid_finetune; R = 3, 5, 10).
 
 Resumable: a run directory with summary.json is kept; a started one is continued with ``fedguide resume``;
 a missing one is started. Results land in benchmarks/results/feddisc/<setting>/:

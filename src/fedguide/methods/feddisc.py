@@ -66,8 +66,8 @@ class FedDISCParams(CentroidParams):
     gen_batch_size: int = Field(64, ge=1, description="images per sampler batch")
     sample_grid: int = Field(8, ge=0, description="generated images per class written to feddisc_samples.png (0: none)")
     head_train_set: Literal["generated", "generated_and_centroids"] = Field(
-        "generated", description="what the server's head trains on: the generated images (the paper) or those "
-                                 "plus the uploaded noisy centroids (a diagnostic: do the images add to the centroids?)")
+        "generated", description="what the server's head trains on: the generated images (the paper) or those plus "
+                                 "the uploaded noisy centroids (a diagnostic: do the images add to the centroids?)")
 
 
 # ---- Eq. 6: what to generate -----------------------------------------------------------------------------
