@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.fl.seeding import derive_seed, torch_generator
 from fedguide.methods._frozen_encoder import (FrozenFeatures, class_prototypes, head_from_state, head_metrics,
-                                             head_state, labeled_set, pseudo_labels)
+                                             head_state, labeled_set, new_head, pseudo_labels, train_head)
 from fedguide.methods.base import Method
 from fedguide.registry import ConfigError
 
@@ -190,6 +190,12 @@ def _seed32(seed: int, *keys: int) -> int:
     return derive_seed(seed, "client", *keys) % (2 ** 32 - 1)
 
 
+def uploaded_centroids(uploads: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every client's noised centroids [M, D] float32 and their pseudo-labels [M], as uploaded."""
+    return (torch.cat([u["centroids"] for u in uploads]).float(),
+            torch.cat([u["centroid_labels"] for u in uploads]).long())
+
+
 # ---- the shared one-shot method ------------------------------------------------------------------------
 class CentroidOneShot(Method):
     """Steps 1-3 of FedDISC; subclasses fit the linear head from the uploads (``fit_head``)."""
@@ -255,8 +261,14 @@ class CentroidOneShot(Method):
     def fit_head(self, uploads: list[dict]) -> tuple[dict, dict[str, Any]]:
         raise NotImplementedError
 
-    def head_seed(self) -> int:
-        return derive_seed(self.run.config.seed, "model", HEAD_TAG)
+    def train_server_head(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[dict, float]:
+        """The server's linear head on the frozen encoder, trained on (features, labels) with the run's
+        head settings and seed; returns (head state, final train loss)."""
+        p = self.params
+        seed = derive_seed(self.run.config.seed, "model", HEAD_TAG)
+        head = new_head(self.features.dim, self.run.num_classes, seed)
+        return train_head(head, features, labels, p.head_epochs, p.head_lr, p.head_batch_size, p.head_momentum,
+                          p.head_weight_decay, torch.Generator().manual_seed(seed % 2 ** 31))
 
     def aggregate(self, round_, global_weights, uploads):
         uploads = [u for u in uploads if "centroids" in u]

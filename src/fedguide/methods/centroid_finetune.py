@@ -9,10 +9,7 @@ are uploaded (the protocol is FedDISC's) but not used. ``num_centroids`` is Tabl
 """
 from __future__ import annotations
 
-import torch
-
-from fedguide.methods._centroids import CentroidOneShot, CentroidParams
-from fedguide.methods._frozen_encoder import new_head, train_head
+from fedguide.methods._centroids import CentroidOneShot, CentroidParams, uploaded_centroids
 from fedguide.methods.base import METHODS
 
 
@@ -21,10 +18,6 @@ class CentroidFinetune(CentroidOneShot):
     """FedDISC's Fine-tuning baseline: the linear head trained on the uploaded noised centroids."""
 
     def fit_head(self, uploads):
-        p = self.params
-        x = torch.cat([u["centroids"] for u in uploads]).float()
-        y = torch.cat([u["centroid_labels"] for u in uploads]).long()
-        head = new_head(self.features.dim, self.run.num_classes, self.head_seed())
-        head, loss = train_head(head, x, y, p.head_epochs, p.head_lr, p.head_batch_size, p.head_momentum,
-                                p.head_weight_decay, torch.Generator().manual_seed(self.head_seed() % 2 ** 31))
+        x, y = uploaded_centroids(uploads)
+        head, loss = self.train_server_head(x, y)
         return head, {"train_centroids": int(len(y)), "head_train_loss": loss}

@@ -43,8 +43,7 @@ import torch
 from pydantic import Field
 
 from fedguide.fl.seeding import derive_seed
-from fedguide.methods._centroids import CentroidOneShot, CentroidParams
-from fedguide.methods._frozen_encoder import new_head, train_head
+from fedguide.methods._centroids import CentroidOneShot, CentroidParams, uploaded_centroids
 from fedguide.guidance.progress import progress
 from fedguide.methods.base import METHODS
 from fedguide.registry import ConfigError
@@ -193,13 +192,10 @@ class FedDISC(CentroidOneShot):
         x, y = torch.cat(gen_feats), torch.cat(gen_labels)
         extra = {}
         if p.head_train_set == "generated_and_centroids":
-            centroids = torch.cat([u["centroids"] for u in uploads]).float()
-            x = torch.cat([x, centroids])
-            y = torch.cat([y, torch.cat([u["centroid_labels"] for u in uploads]).long()])
+            centroids, centroid_labels = uploaded_centroids(uploads)
+            x, y = torch.cat([x, centroids]), torch.cat([y, centroid_labels])
             extra["train_centroids"] = int(len(centroids))
-        head = new_head(feats.dim, self.run.num_classes, self.head_seed())
-        head, loss = train_head(head, x, y, p.head_epochs, p.head_lr, p.head_batch_size, p.head_momentum,
-                                p.head_weight_decay, torch.Generator().manual_seed(self.head_seed() % 2 ** 31))
+        head, loss = self.train_server_head(x, y)
         if p.sample_grid:
             save_grid(grid, self.run.run_dir / "feddisc_samples.png")
         return head, {"generated_images": int(len(plan.labels)), "head_train_samples": int(len(y)), **extra,
