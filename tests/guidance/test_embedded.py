@@ -62,8 +62,8 @@ def test_pretrain_writes_a_loadable_sd_layout(tmp_path):
     from fedguide.data.federated import public_pool
     from fedguide.guidance.embedded.pretrain import PretrainSettings, load_pool, pretrain
 
-    settings = PretrainSettings(max_per_class=3, clip_epochs=1, clip_batch=16, vae_steps=2, vae_batch=8,
-                                unet_steps=2, unet_batch=8, unet_channels=(16, 16, 16, 16))
+    settings = PretrainSettings(max_per_class=3, clip_epochs=1, clip_batch=16, clip_augmented_views=(0, 2), vae_steps=2,
+                                vae_batch=8, unet_steps=2, unet_batch=8, unet_channels=(16, 16, 16, 16))
     pool = load_pool(settings)
     assert len(pool.images) == 60 and pool.images.shape[1:] == (3, 32, 32)
     assert pool.images.min() >= -1 and pool.images.max() <= 1 and len(pool.prompts) == 20
@@ -92,24 +92,35 @@ def test_the_pool_is_the_runs_public_slice():
     assert not np.intersect1d(clients, public).size
 
 
-def test_a_killed_pretraining_resumes_to_the_same_models(tmp_path, monkeypatch):
-    from safetensors.torch import load_file
+def small_settings(**changes):
+    from fedguide.guidance.embedded.pretrain import PretrainSettings
 
-    from fedguide.guidance.embedded import pretrain as pt
+    return PretrainSettings(**{**dict(max_per_class=2, clip_epochs=1, clip_batch=16, clip_augmented_views=(0, 1),
+                                      vae_steps=2, vae_batch=8, unet_steps=4, unet_batch=8,
+                                      unet_channels=(16, 16, 16, 16), checkpoint_every=2), **changes})
 
-    settings = pt.PretrainSettings(max_per_class=2, clip_epochs=1, clip_batch=16, vae_steps=2, vae_batch=8,
-                                   unet_steps=4, unet_batch=8, unet_channels=(16, 16, 16, 16), checkpoint_every=2)
-    clean = pt.pretrain(tmp_path / "clean", settings, quiet=True, threads=1)
 
+def kill_before_writing(pt, monkeypatch, out, settings):
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pt, "write_card", killed)
     with pytest.raises(KeyboardInterrupt):
-        pt.pretrain(tmp_path / "resumed", settings, quiet=True, threads=1)
-    partial = tmp_path / ".resumed.partial"
-    assert {"clip.pt", "vae.pt", "unet.pt"} <= {p.name for p in partial.iterdir()}
+        pt.pretrain(out, settings, quiet=True, threads=1)
     monkeypatch.undo()
+    return out.parent / f".{out.name}.partial"
+
+
+def test_a_killed_pretraining_resumes_to_the_same_models(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from fedguide.guidance.embedded import pretrain as pt
+
+    settings = small_settings()
+    clean = pt.pretrain(tmp_path / "clean", settings, quiet=True, threads=1)
+
+    partial = kill_before_writing(pt, monkeypatch, tmp_path / "resumed", settings)
+    assert {"clip.pt", "vae.pt", "unet.pt"} <= {p.name for p in partial.iterdir()}
     calls = []
     for stage in ("train_clip", "train_vae"):
         monkeypatch.setattr(pt, stage, lambda *a, stage=stage, **k: calls.append(stage))
@@ -147,3 +158,22 @@ def test_a_bad_dataset_share_is_refused_before_training(share):
 
     with pytest.raises(ValueError, match="unet_dataset_share needs one non-negative share per dataset"):
         PretrainSettings(unet_dataset_share=share)
+
+
+def test_a_unet_checkpoint_is_not_continued_on_another_clip(tmp_path, monkeypatch):
+    """The UNet learns from the CLIP stage's image tokens: retraining CLIP restarts the UNet too."""
+    from fedguide.guidance.embedded import pretrain as pt
+
+    kill_before_writing(pt, monkeypatch, tmp_path / "models", small_settings())
+    out = pt.pretrain(tmp_path / "models", small_settings(clip_augmented_views=(0, 2)), quiet=True, threads=1)
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert not [row for row in log if "resumed_at" in row]
+    assert [row["stage"] for row in log if row.get("reused")] == ["vae"]
+
+
+@pytest.mark.parametrize("views", [(3,), (0, -1)])
+def test_bad_augmented_view_counts_are_refused(views):
+    from fedguide.guidance.embedded.pretrain import PretrainSettings
+
+    with pytest.raises(ValueError, match="clip_augmented_views needs one count >= 0 per dataset"):
+        PretrainSettings(clip_augmented_views=views)

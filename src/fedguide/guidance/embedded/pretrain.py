@@ -12,6 +12,9 @@ Stages, each seeded from ``seed`` and logged to ``train_log.jsonl`` (step, loss,
    MiniLM's sentence space, trained with the CLIP loss against the 20 prompt embeddings. With one prompt
    per class the text side of a batch is the prompt set, so the loss is cross-entropy over cosine
    logits / τ with a learned temperature (CLIP's image-to-text direction; the text tower is frozen).
+   ``clip_augmented_views`` adds random views (``augment.random_views``: pose and colour) of each
+   digits_domains image: trained on the 430 originals alone the projection reaches train zero-shot 1.0
+   and names 59 % of the test digits, since the domains differ mostly in colour and polarity.
 2. VAE: diffusers ``AutoencoderKL`` 32x32x3 -> 8x8x4, L2 reconstruction + ``vae_kl`` x KL. Its
    ``scaling_factor`` is then set to 1 / std of the pool's latents (Stable Diffusion's convention).
 3. UNet: diffusers ``UNet2DConditionModel`` with four levels like SD's (so "decoder layer L of 4"
@@ -24,8 +27,8 @@ Stages, each seeded from ``seed`` and logged to ``train_log.jsonl`` (step, loss,
    each step (mean and std stored once). The shipped weights are the EMA of the training weights.
    ``unet_dataset_share`` fixes each dataset's share of every UNet batch: digits_domains' public slice
    is 430 images beside Fashion-MNIST's 6000, and drawn in proportion (6.7 % of a batch) the UNet never
-   learns to draw digits (16 % of its text-conditioned digits were recognisable); at 0.4 it sees each
-   digits image ~9x as often. ``None`` draws batches uniformly over the pool.
+   learns to draw digits (16 % of its text-conditioned digits were recognisable); at 0.35 it sees each
+   digits image ~7.5x as often as a Fashion-MNIST one. ``None`` draws batches uniformly over the pool.
 
 The output folder has the SD layout (unet/, vae/, scheduler/, tokenizer/, image_encoder/,
 model_index.json) plus fedguide.json (the packaged text encoder, the embedded image encoder, the image
@@ -66,22 +69,28 @@ class PretrainSettings:
     clip_epochs: int = 60
     clip_batch: int = 256
     clip_lr: float = 1e-3
+    # Per dataset in DATASETS order: random views (affine + colour) of each public image added to the
+    # CLIP stage's training set; the UNet's image tokens stay those of the images themselves.
+    clip_augmented_views: tuple[int, ...] = (0, 31)
     vae_steps: int = 2000
     vae_batch: int = 64
     vae_lr: float = 1e-3
     vae_kl: float = 1e-4
-    unet_steps: int = 4500
+    unet_steps: int = 6000
     unet_batch: int = 128
     unet_lr: float = 3e-4
     unet_channels: tuple[int, ...] = (64, 128, 128, 128)
     ema_decay: float = 0.999
     p_drop_text: float = 0.1
     p_drop_image: float = 0.5
-    unet_dataset_share: Optional[tuple[float, ...]] = (0.6, 0.4)  # per dataset in DATASETS order; None: uniform
+    unet_dataset_share: Optional[tuple[float, ...]] = (0.65, 0.35)  # per dataset in DATASETS order; None: uniform
     max_per_class: Optional[int] = None  # a smaller pool for quick checks (the shipped models use all of it)
     checkpoint_every: int = 250  # UNet steps between checkpoints of a run that may be killed
 
     def __post_init__(self):
+        views = self.clip_augmented_views
+        if len(views) != len(DATASETS) or min(views) < 0:
+            raise ValueError(f"clip_augmented_views needs one count >= 0 per dataset {DATASETS}, got {tuple(views)}")
         share = self.unet_dataset_share
         # Checked here, not when the UNet stage starts an hour into a run.
         if share is not None and (len(share) != len(DATASETS) or min(share) < 0 or abs(sum(share) - 1) > 1e-6):
@@ -206,14 +215,22 @@ def text_states(tokenizer, text_encoder, prompts: list[str], max_length: int):
 
 
 def train_clip(pool: Pool, text_emb: torch.Tensor, s: PretrainSettings, log: Log, quiet: bool):
+    from fedguide.guidance.embedded.augment import random_views
     from fedguide.guidance.embedded.backbones import ImageBackbone
     from fedguide.guidance.embedded.clip import Projection
 
     backbone = ImageBackbone()
+    # The originals first: their embeddings become the UNet's image tokens.
+    views = [(pool.images, pool.labels)]
+    gen = torch.Generator().manual_seed(s.seed + 7)
+    for position, count in enumerate(s.clip_augmented_views):
+        members = torch.nonzero(pool.sources == position).flatten()
+        views += [(random_views(pool.images[members], gen), pool.labels[members]) for _ in range(count)]
+    images, labels = torch.cat([v[0] for v in views]), torch.cat([v[1] for v in views])
     feats = []
-    with progress(len(pool.images), "image features", enabled=not quiet) as advance, torch.no_grad():
-        for start in range(0, len(pool.images), 256):
-            feats.append(backbone(pool.images[start:start + 256]))
+    with progress(len(images), "image features", enabled=not quiet) as advance, torch.no_grad():
+        for start in range(0, len(images), 256):
+            feats.append(backbone(images[start:start + 256]))
             advance(len(feats[-1]))
     feats = torch.cat(feats)
     torch.manual_seed(s.seed)
@@ -227,14 +244,14 @@ def train_clip(pool: Pool, text_emb: torch.Tensor, s: PretrainSettings, log: Log
     for step in range(1, steps + 1):
         idx = next(batches)
         logits = F.normalize(proj(feats[idx]), dim=-1) @ targets.T / log_tau.exp().clamp_min(0.01)
-        loss = F.cross_entropy(logits, pool.labels[idx])
+        loss = F.cross_entropy(logits, labels[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
         if step % 100 == 0 or step == steps:
             log("clip", step=step, loss=round(loss.item(), 4), tau=round(log_tau.exp().item(), 4), final=step == steps)
     with torch.no_grad():
-        emb = F.normalize(proj(feats), dim=-1)
+        emb = F.normalize(proj(feats[:len(pool.images)]), dim=-1)
         train_acc = (emb @ targets.T).argmax(1).eq(pool.labels).float().mean().item()
     log("clip", train_zero_shot=round(train_acc, 4), final=True)
     return proj.eval(), emb
@@ -317,7 +334,9 @@ def train_unet(pool: Pool, lat_mean, lat_std, tokens, empty_tokens, image_tokens
     gen = torch.Generator().manual_seed(s.seed + 5)
     batch_at = (StepBatches(len(pool.images), s.unet_batch, s.seed + 6) if s.unet_dataset_share is None
                 else MixedStepBatches(pool.sources, tuple(s.unet_dataset_share), s.unet_batch, s.seed + 6))
-    key = _stage_key(s, "unet", "ema", "p_drop")
+    # The UNet is trained on the CLIP stage's image tokens and the VAE's latents: a checkpoint made
+    # on other ones must not be continued.
+    key = _stage_key(s, "unet", "ema", "p_drop", "clip", "vae")
     start, running = 0, None
     saved = _load_stage(checkpoint, key) if checkpoint is not None else None
     if saved is not None:  # continue a killed run exactly where its last checkpoint left it
