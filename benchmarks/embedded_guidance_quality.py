@@ -4,17 +4,19 @@
 
 Prints four numbers and ends with ``gen_text=<f> gen_image=<f> zero_shot=<f> probe=<f>``:
 - gen_text: text-conditioned samples (CFG 3, DDIM 20 steps, "a photo of a {class}") classified as the
-  prompted class by a reference CNN trained on the public pool only (one CNN per dataset; the fraction
-  is over both datasets' 20 prompts; per-dataset numbers are printed too). Bar 0.8.
-- gen_image: samples conditioned on the mini-CLIP embedding of a test image (empty prompt, image guidance
-  scale 3, DDIM 20) classified as that image's class by the same CNNs. Bar 0.7.
+  prompted class by a reference CNN trained on the public pool only (one CNN per dataset, its accuracy
+  on the real test images printed beside; the fraction is over both datasets' 20 prompts; per-dataset
+  numbers are printed too). Bar 0.8.
+- gen_image: one sample per test image (``--per-class`` of each class) conditioned on its mini-CLIP
+  embedding (empty prompt, image guidance scale 3, DDIM 20), classified as that image's class by the
+  same CNNs. Bar 0.7.
 - zero_shot: mini-CLIP zero-shot accuracy on the whole Fashion-MNIST test set. Bar 0.7.
 - probe: FedDifRC's fused denoising features (t = 150, decoder layers 2-4, channel PCA fitted on the
   public pool, mean pooling, d = 256 as FedDifRC takes it from this model) of the *empty* prompt — a class prompt would hand the probe the
   label — and a logistic-regression probe (C chosen by 3-fold cross-validation on the public pool) trained
   on public-pool features, scored on the Fashion-MNIST test set. Bar 0.8.
-With ``--write-card`` the numbers and two PNG grids (one row per class: text-conditioned; conditioning
-image then samples) go into the model folder and its MODEL_CARD.md (hashes refreshed).
+With ``--write-card`` the numbers and two PNG grids (one row per class: text-conditioned samples; pairs of
+a conditioning test image and its sample) go into the model folder and its MODEL_CARD.md (hashes refreshed).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from fedguide.guidance.config import GuidanceConfig  # noqa: E402
+from fedguide.guidance.embedded.augment import random_views  # noqa: E402
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec  # noqa: E402
 from fedguide.guidance.fused import FusedFeatures  # noqa: E402
 from fedguide.guidance.model import GuidanceModel  # noqa: E402
@@ -40,6 +43,7 @@ from fedguide.guidance.samplers import Condition, SamplerConfig, sample  # noqa:
 
 BARS = {"gen_text": 0.8, "gen_image": 0.7, "zero_shot": 0.7, "probe": 0.8}
 PROMPT = "a photo of a {}"
+COLOUR_DOMAINS = ("digits_domains",)  # datasets whose judge is trained on pose-and-colour views
 PROBE_C = (0.01, 0.03, 0.1, 0.3, 1.0)  # inverse L2 strengths the probe's cross-validation chooses from
 
 
@@ -74,7 +78,14 @@ class RefCNN(torch.nn.Module):
 
 
 def train_reference(ds, epochs: int = 20, seed: int = 0) -> RefCNN:
-    """A CNN on the public pool only (random shifts as augmentation), as the judge of generated images."""
+    """A CNN on the public pool only, as the judge of generated images.
+
+    Augmentation: random shifts; on datasets whose domains differ in colour and polarity
+    (``COLOUR_DOMAINS``) random pose and colour views instead. The shift-only judge named the right
+    class for 57 % of digits_domains' real test images (fonts domain 18 %) and the pose-and-colour one
+    for 91 %: a judge that weak scores correct samples as wrong. On Fashion-MNIST (one grey domain)
+    those views cost it 2-3 points, so it keeps the shifts.
+    """
     torch.manual_seed(seed)
     model = RefCNN(len(ds["classes"]))
     opt = torch.optim.AdamW(model.parameters(), 2e-3, weight_decay=5e-4)
@@ -87,8 +98,11 @@ def train_reference(ds, epochs: int = 20, seed: int = 0) -> RefCNN:
     model.train()
     for step in range(steps):
         idx = torch.randint(0, len(x), (128,), generator=gen)
-        dx, dy = torch.randint(-2, 3, (2,), generator=gen).tolist()
-        xb = torch.roll(x[idx], shifts=(dx, dy), dims=(2, 3))
+        if ds["name"] in COLOUR_DOMAINS:
+            xb = random_views(x[idx], gen)
+        else:
+            dx, dy = torch.randint(-2, 3, (2,), generator=gen).tolist()
+            xb = torch.roll(x[idx], shifts=(dx, dy), dims=(2, 3))
         loss = F.cross_entropy(model(xb), y[idx])
         opt.zero_grad()
         loss.backward()
@@ -166,14 +180,9 @@ def probe(gm, ds, seed: int) -> float:
     return float(LogisticRegression(max_iter=2000, C=best).fit(tr, y).score(te, ds["test_y"].numpy()))
 
 
-def save_grid(rows: torch.Tensor, path: Path, first_column: torch.Tensor | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def save_grid(rows: torch.Tensor, path: Path) -> None:
     from PIL import Image
 
-    if first_column is not None:
-        rows = torch.cat([first_column[:, :1], torch.ones_like(rows[:, :1]), rows], dim=1)
     r, c = rows.shape[:2]
     img = ((rows.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # [r, c, 3, h, w]
     h, w = img.shape[-2:]
@@ -226,13 +235,15 @@ def main() -> None:
     for name, ds in data.items():
         text_acc[name], grids[f"text_{name}"], rate = gen_text(gm, ds, refs[name], args.per_class, args.seed)
         extra[f"sample_img_s_{name}"] = round(rate, 2)
-        image_acc[name], cond, grids[f"image_{name}"] = gen_image(gm, ds, refs[name], args.per_class // 5 or 1, args.seed)
+        image_acc[name], cond, grids[f"image_{name}"] = gen_image(gm, ds, refs[name], args.per_class, args.seed)
         grids[f"cond_{name}"] = cond
         print(f"{name}: gen_text {text_acc[name]:.4f}  gen_image {image_acc[name]:.4f}", flush=True)
     extra.update({f"gen_text_{n}": round(v, 4) for n, v in text_acc.items()})
     extra.update({f"gen_image_{n}": round(v, 4) for n, v in image_acc.items()})
     numbers = {"gen_text": float(np.mean(list(text_acc.values()))), "gen_image": float(np.mean(list(image_acc.values()))),
                "zero_shot": zero_shot(gm, data["fmnist"]), "probe": probe(gm, data["fmnist"], args.seed)}
+    # Image-conditioned samples follow the embedding, so this bounds gen_image on digits.
+    extra["zero_shot_digits_domains"] = round(zero_shot(gm, data["digits_domains"]), 4)
     extra["seconds"] = round(time.perf_counter() - start, 1)
     for k, v in numbers.items():
         print(f"{k:<10} {v:.4f}  (bar {BARS[k]}, {'met' if v >= BARS[k] else 'NOT met'})")
@@ -244,7 +255,9 @@ def main() -> None:
         names = []
         for name in data:
             save_grid(grids[f"text_{name}"][:, :10], folder / f"grid_text_{name}.png")
-            save_grid(grids[f"image_{name}"][:, :8], folder / f"grid_image_{name}.png", grids[f"cond_{name}"])
+            # Each sample beside the test image it was conditioned on.
+            pairs = torch.stack([grids[f"cond_{name}"][:, :5], grids[f"image_{name}"][:, :5]], dim=2)
+            save_grid(pairs.flatten(1, 2), folder / f"grid_image_{name}.png")
             names += [f"grid_text_{name}.png", f"grid_image_{name}.png"]
         (folder / "quality.json").write_text(json.dumps({"numbers": numbers, "bars": BARS, **extra}, indent=1))
         update_card(folder, numbers, extra, names)

@@ -14,12 +14,12 @@ features instead of centroids) and the L and R sweeps of Tables 2-3 (L = 3, 5, 1
 centroid_finetune; R = 3, 5, 10).
 
 Resumable: a run directory with summary.json is kept; a started one is continued with ``fedguide resume``;
-a missing one is started. Results land in benchmarks/results/feddisc/<setting>/:
+a missing one is started. Results land in benchmarks/results/feddisc/<setting>/ (or ``--results``):
 table.md (per-client and average accuracy, mean ± std over seeds), privacy.json and feddisc_samples.png of
 seed 0, ablations.md, and ``fedguide report`` of every run (report/).
 
     .venv/bin/python benchmarks/feddisc_suite.py [--out runs/feddisc] [--settings digits fmnist] [--ablations]
-        [--seeds 0 1 2] [--methods feddisc zero_shot ...] [--set KEY=VALUE ...]
+        [--seeds 0 1 2] [--methods feddisc zero_shot ...] [--set KEY=VALUE ...] [--results DIR]
 
 ``--methods`` runs and tabulates only those methods (e.g. the baselines first, while the generator is
 still training); a later call without it fills in the rest and writes the whole table.
@@ -92,6 +92,8 @@ def table(rows: dict[str, list[Path]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "feddisc")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="where the tables and the report go (another folder keeps the committed ones)")
     ap.add_argument("--settings", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--methods", nargs="+", default=list(ALL), choices=ALL)
@@ -101,7 +103,7 @@ def main() -> None:
                     help="overrides added to every run, e.g. runtime.threads_per_worker=1 (not part of the results)")
     args = ap.parse_args()
     for i, setting in enumerate(args.settings):
-        config, root, dest = CONFIGS[setting], args.out / setting, RESULTS / setting
+        config, root, dest = CONFIGS[setting], args.out / setting, args.results / setting
         dest.mkdir(parents=True, exist_ok=True)
         rows: dict[str, list[Path]] = {method: [] for method in ALL if method in args.methods}
         for seed in args.seeds:  # seed-major: an interrupted suite leaves whole seeds, not whole methods
