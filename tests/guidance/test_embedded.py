@@ -60,11 +60,9 @@ def test_image_token_and_zero_shot(embedded):
 
 def test_pretrain_writes_a_loadable_sd_layout(tmp_path):
     from fedguide.data.federated import public_pool
-    from fedguide.guidance.embedded.pretrain import PretrainSettings, load_pool, pretrain
+    from fedguide.guidance.embedded.pretrain import load_pool, pretrain
 
-    settings = PretrainSettings(max_per_class=3, clip_epochs=1, clip_batch=16, clip_augmented_views=(0, 2),
-                                clip_image_size=48, vae_steps=2, vae_batch=8, unet_steps=2, unet_batch=8,
-                                unet_channels=(16, 16, 16, 16))
+    settings = small_settings(max_per_class=3, clip_augmented_views=(0, 2), clip_image_size=48, unet_steps=2)
     pool = load_pool(settings)
     assert len(pool.images) == 60 and pool.images.shape[1:] == (3, 32, 32)
     assert pool.images.min() >= -1 and pool.images.max() <= 1 and len(pool.prompts) == 20
