@@ -187,3 +187,32 @@ def test_a_bad_backbone_input_size_is_refused_by_the_cli(tmp_path, capsys):
     assert main(["pretrain-guidance", "--out", str(tmp_path / "m"), "--clip-image-size", "8"]) != 0
     assert "clip_image_size must be within [32, 512] px" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_finished_folders_vae_is_reused_when_its_settings_match(tmp_path, monkeypatch):
+    from fedguide.guidance.embedded import pretrain as pt
+
+    first = pt.pretrain(tmp_path / "first", small_settings(), quiet=True, threads=1)
+    monkeypatch.setattr(pt, "train_vae", lambda *a, **k: pytest.fail("the VAE was trained instead of reused"))
+    second = pt.pretrain(tmp_path / "second", small_settings(clip_augmented_views=(0, 2)), quiet=True, threads=1,
+                         reuse_vae=first)
+    for name in ("vae/diffusion_pytorch_model.safetensors", "vae/config.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    log = [json.loads(line) for line in (second / "train_log.jsonl").read_text().splitlines()]
+    vae_rows = [row for row in log if row["stage"] == "vae"]
+    # The card still shows how the VAE was trained, and where it came from.
+    assert any("scaling_factor" in row for row in vae_rows) and {"reused_from": "first"}.items() <= vae_rows[-2].items()
+    assert "reused_from=first" in (second / "MODEL_CARD.md").read_text()
+
+
+def test_a_vae_trained_with_other_settings_is_refused_before_anything_is_written(tmp_path, capsys):
+    from fedguide.cli import main
+    from fedguide.guidance.embedded import pretrain as pt
+
+    first = pt.pretrain(tmp_path / "first", small_settings(vae_steps=1), quiet=True, threads=1)
+    with pytest.raises(ValueError, match=r"vae_steps: 1 there, 2 here.*drop --reuse-vae"):
+        pt.pretrain(tmp_path / "second", small_settings(), quiet=True, threads=1, reuse_vae=first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first"]
+    assert main(["pretrain-guidance", "--out", str(tmp_path / "third"), "--reuse-vae", str(tmp_path)]) != 0
+    assert "not a folder written by fedguide pretrain-guidance" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first"]

@@ -292,15 +292,68 @@ def train_vae(pool: Pool, s: PretrainSettings, log: Log, quiet: bool):
             if step % 100 == 0 or step == s.vae_steps:
                 log("vae", step=step, mse=round(mse.item(), 5), kl=round(kl.item(), 3), final=step == s.vae_steps)
     vae.eval()
+    mean, std, rec = posterior(vae, pool)
+    scale = float(1.0 / mean.std())
+    vae.register_to_config(scaling_factor=scale)
+    log("vae", scaling_factor=round(scale, 5), recon_mse=round(F.mse_loss(rec, pool.images).item(), 5), final=True)
+    return vae, mean * scale, std * scale
+
+
+def posterior(vae, pool: Pool):
+    """The VAE posterior's mean and std of every pool image (unscaled) and the reconstructions of the means."""
     with torch.no_grad():
         dists = [vae.encode(pool.images[i:i + 256]).latent_dist for i in range(0, len(pool.images), 256)]
         mean = torch.cat([d.mean for d in dists])
         std = torch.cat([d.std for d in dists])
         rec = torch.cat([vae.decode(mean[i:i + 256]).sample for i in range(0, len(mean), 256)])
-    scale = float(1.0 / mean.std())
+    return mean, std, rec
+
+
+def card_settings(folder: Path) -> dict:
+    """The settings a finished model folder was trained with, as its MODEL_CARD.md records them."""
+    import re
+
+    card = folder / "MODEL_CARD.md"
+    found = re.search(r"## Settings\n\n```json\n(.*?)\n```", card.read_text(), re.S) if card.is_file() else None
+    if found is None or not (folder / "vae" / "config.json").is_file():
+        raise ValueError(f"{folder} is not a folder written by fedguide pretrain-guidance (no vae/ or no settings "
+                         "in its MODEL_CARD.md); give --reuse-vae such a folder, or drop it to train a VAE")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(found.group(1)).items()}
+
+
+def check_reusable_vae(source: Path, settings: "PretrainSettings") -> None:
+    """Refuses (before anything is written) a VAE trained on other data or with other VAE settings."""
+    recorded = card_settings(source)
+    wanted = _stage_key(settings, "vae")
+    differ = {k: (recorded.get(k, "not recorded"), v) for k, v in wanted.items() if recorded.get(k, "not recorded") != v}
+    if differ:
+        listed = ", ".join(f"{k}: {a} there, {b} here" for k, (a, b) in differ.items())
+        raise ValueError(f"the VAE in {source} was trained with other settings ({listed}); run with the same "
+                         "settings or drop --reuse-vae to train a VAE")
+
+
+def reused_vae_stage(source: Path, key: dict, pool: Pool, log: Log) -> dict:
+    """A finished folder's VAE as a stage result (what train_vae would have saved), its training lines
+    copied into this run's log so the card still shows how the VAE was made."""
+    from diffusers import AutoencoderKL
+
+    vae = build_vae()
+    loaded = AutoencoderKL.from_pretrained(source / "vae")
+    vae.load_state_dict(loaded.state_dict())
+    scale = loaded.config.scaling_factor
     vae.register_to_config(scaling_factor=scale)
-    log("vae", scaling_factor=round(scale, 5), recon_mse=round(F.mse_loss(rec, pool.images).item(), 5), final=True)
-    return vae, mean * scale, std * scale
+    vae.eval()
+    mean, std, _ = posterior(vae, pool)
+    source_log = source / "train_log.jsonl"
+    rows = [json.loads(line) for line in source_log.read_text().splitlines() if line.strip()] if source_log.is_file() else []
+    for row in rows:
+        if row.get("stage") == "vae" and not row.get("reused"):
+            log.rows.append(row)
+            with log.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    log("vae", reused_from=source.name, final=True)
+    return {"key": key, "vae": vae.state_dict(), "config": dict(vae.config), "lat_mean": mean * scale,
+            "lat_std": std * scale}
 
 
 # --- stage 3: UNet ---------------------------------------------------------------------------------
@@ -426,8 +479,11 @@ def write_card(folder: Path, command: str, settings: dict, pool_slices: list[dic
 
 
 def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command: str = "",
-             threads: Optional[int] = None) -> Path:
-    """Trains every stage and writes the SD-layout folder ``out`` (atomically replacing an old one)."""
+             threads: Optional[int] = None, reuse_vae: Optional[Path] = None) -> Path:
+    """Trains every stage and writes the SD-layout folder ``out`` (atomically replacing an old one).
+
+    ``reuse_vae``: a folder this function wrote earlier whose VAE is taken instead of training one (its
+    VAE settings and data must be this run's; checked before anything is written)."""
     from transformers import AutoModel, AutoTokenizer
 
     from fedguide.guidance.embedded.backbones import text_encoder_path
@@ -436,6 +492,9 @@ def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command
     if threads:
         torch.set_num_threads(threads)
     out = Path(out).resolve()
+    if reuse_vae is not None:
+        reuse_vae = Path(reuse_vae).resolve()
+        check_reusable_vae(reuse_vae, settings)
     # Finished stages and UNet checkpoints live here until the end, so a killed run resumes where it
     # stopped (stages whose settings changed are retrained).
     partial = out.parent / f".{out.name}.partial"
@@ -471,6 +530,9 @@ def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command
         token_scale = float(tokens[mask.bool()].norm(dim=-1).mean())
         vae_key = _stage_key(settings, "vae")
         done = _load_stage(partial / "vae.pt", vae_key)
+        if done is None and reuse_vae is not None:
+            done = reused_vae_stage(reuse_vae, vae_key, pool, log)
+            _save_atomic(done, partial / "vae.pt")
         if done is None:
             vae, lat_mean, lat_std = train_vae(pool, settings, log, quiet)
             _save_atomic({"key": vae_key, "vae": vae.state_dict(), "config": dict(vae.config), "lat_mean": lat_mean,
@@ -532,6 +594,7 @@ def run_from_cli(args) -> int:
               if getattr(args, k, None) is not None}
     settings = PretrainSettings(**fields)
     command = "fedguide pretrain-guidance " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else ""
-    path = pretrain(args.out, settings, quiet=args.quiet, command=command, threads=args.threads)
+    path = pretrain(args.out, settings, quiet=args.quiet, command=command, threads=args.threads,
+                    reuse_vae=getattr(args, "reuse_vae", None))
     print(f"embedded guidance models written to {path}")
     return 0
