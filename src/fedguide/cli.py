@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--vae-steps", dest="vae_steps", type=int, default=None)
     pre.add_argument("--clip-epochs", dest="clip_epochs", type=int, default=None)
     pre.add_argument("--clip-image-size", dest="clip_image_size", type=int, default=None,
-                     help="input side of the mini-CLIP's frozen backbone in px (default 64)")
+                     help="input side of the mini-CLIP's frozen backbone in px (default 128)")
     pre.add_argument("--reuse-vae", dest="reuse_vae", type=Path, default=None,
                      help="take the VAE of a folder this command wrote before (same VAE settings and data) "
                           "instead of training one")

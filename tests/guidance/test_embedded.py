@@ -99,7 +99,7 @@ def small_settings(**changes):
 
     return PretrainSettings(**{**dict(max_per_class=2, clip_epochs=1, clip_batch=16, clip_augmented_views=(0, 1),
                                       vae_steps=2, vae_batch=8, unet_steps=4, unet_batch=8,
-                                      unet_channels=(16, 16, 16, 16), checkpoint_every=2), **changes})
+                                      unet_channels=(16, 16, 16, 16), checkpoint_every=2, clip_image_size=32), **changes})
 
 
 def kill_before_writing(pt, monkeypatch, out, settings):

