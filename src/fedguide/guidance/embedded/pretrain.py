@@ -146,12 +146,16 @@ class Log:
 
     def __call__(self, stage: str, **row) -> None:
         row = {"stage": stage, "seconds": round(time.perf_counter() - self.start, 1), **row}
-        self.rows.append(row)
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        self.append(row)
         if not self.quiet and row.get("final"):
             print(f"{stage}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("stage", "final")),
                   file=sys.stderr, flush=True)
+
+    def append(self, row: dict) -> None:
+        """A row as it is (another run's line keeps its own elapsed seconds)."""
+        self.rows.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def _batches(n: int, batch: int, gen: torch.Generator):
@@ -341,7 +345,11 @@ def reused_vae_stage(source: Path, key: dict, pool: Pool, log: Log) -> dict:
 
     vae = build_vae()
     loaded = AutoencoderKL.from_pretrained(source / "vae")
-    vae.load_state_dict(loaded.state_dict())
+    try:
+        vae.load_state_dict(loaded.state_dict())
+    except RuntimeError:
+        raise ValueError(f"the VAE in {source} is not the architecture this version trains; drop --reuse-vae "
+                         "to train a VAE") from None
     scale = loaded.config.scaling_factor
     vae.register_to_config(scaling_factor=scale)
     vae.eval()
@@ -350,9 +358,7 @@ def reused_vae_stage(source: Path, key: dict, pool: Pool, log: Log) -> dict:
     rows = [json.loads(line) for line in source_log.read_text().splitlines() if line.strip()] if source_log.is_file() else []
     for row in rows:
         if row.get("stage") == "vae" and not row.get("reused"):
-            log.rows.append(row)
-            with log.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            log.append(row)
     log("vae", reused_from=source.name, final=True)
     return {"key": key, "vae": vae.state_dict(), "config": dict(vae.config), "lat_mean": mean * scale,
             "lat_std": std * scale}
