@@ -34,6 +34,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from fedguide.fl.atomic import write_atomic, write_text  # noqa: E402
 from fedguide.guidance.config import GuidanceConfig  # noqa: E402
 from fedguide.guidance.embedded.augment import random_views  # noqa: E402
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec  # noqa: E402
@@ -187,9 +188,8 @@ def save_grid(rows: torch.Tensor, path: Path) -> None:
     img = ((rows.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # [r, c, 3, h, w]
     h, w = img.shape[-2:]
     grid = img.permute(0, 3, 1, 4, 2).reshape(r * h, c * w, 3).numpy()
-    tmp = path.with_suffix(".tmp.png")
-    Image.fromarray(grid).resize((c * w * 2, r * h * 2), Image.NEAREST).save(tmp)
-    tmp.replace(path)
+    image = Image.fromarray(grid).resize((c * w * 2, r * h * 2), Image.NEAREST)
+    write_atomic(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
 def update_card(folder: Path, numbers: dict, extra: dict, grids: list[str]) -> None:
@@ -206,9 +206,7 @@ def update_card(folder: Path, numbers: dict, extra: dict, grids: list[str]) -> N
     lines += ["", "## Files (sha256)", "", "```"]
     lines += [f"{h}  {name}" for name, h in file_hashes(folder).items()]
     lines += ["```", ""]
-    tmp = card.with_suffix(".tmp")
-    tmp.write_text(text + "\n".join(lines))
-    tmp.replace(card)
+    write_text(card, text + "\n".join(lines))
 
 
 def main() -> None:
@@ -259,9 +257,7 @@ def main() -> None:
             pairs = torch.stack([grids[f"cond_{name}"][:, :5], grids[f"image_{name}"][:, :5]], dim=2)
             save_grid(pairs.flatten(1, 2), folder / f"grid_image_{name}.png")
             names += [f"grid_text_{name}.png", f"grid_image_{name}.png"]
-        tmp = folder / "quality.json.tmp"
-        tmp.write_text(json.dumps({"numbers": numbers, "bars": BARS, **extra}, indent=1))
-        tmp.replace(folder / "quality.json")
+        write_text(folder / "quality.json", json.dumps({"numbers": numbers, "bars": BARS, **extra}, indent=1))
         update_card(folder, numbers, extra, names)
     print(" ".join(f"{k}={v:.4f}" for k, v in numbers.items()))
 

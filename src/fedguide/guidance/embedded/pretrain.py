@@ -197,9 +197,9 @@ class MixedStepBatches:
 
 
 def _save_atomic(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    from fedguide.fl.atomic import write_atomic
+
+    write_atomic(path, lambda tmp: torch.save(obj, tmp))
 
 
 def _stage_key(settings: "PretrainSettings", *prefixes: str) -> dict:
@@ -330,17 +330,17 @@ def card_settings(folder: Path) -> dict:
 def check_reusable_vae(source: Path, settings: "PretrainSettings") -> None:
     """Refuses (before anything is written) a VAE trained on other data or with other VAE settings."""
     recorded = card_settings(source)
-    wanted = _stage_key(settings, "vae")
-    differ = {k: (recorded.get(k, "not recorded"), v) for k, v in wanted.items() if recorded.get(k, "not recorded") != v}
+    differ = {k: (recorded.get(k, "not recorded"), v) for k, v in _stage_key(settings, "vae").items()}
+    differ = {k: pair for k, pair in differ.items() if pair[0] != pair[1]}
     if differ:
         listed = ", ".join(f"{k}: {a} there, {b} here" for k, (a, b) in differ.items())
         raise ValueError(f"the VAE in {source} was trained with other settings ({listed}); run with the same "
                          "settings or drop --reuse-vae to train a VAE")
 
 
-def reused_vae_stage(source: Path, key: dict, pool: Pool, log: Log) -> dict:
-    """A finished folder's VAE as a stage result (what train_vae would have saved), its training lines
-    copied into this run's log so the card still shows how the VAE was made."""
+def reuse_vae(source: Path, pool: Pool, log: Log):
+    """A finished folder's VAE in place of train_vae (same return), its training lines copied into this
+    run's log so the card still shows how the VAE was made."""
     from diffusers import AutoencoderKL
 
     vae = build_vae()
@@ -360,8 +360,7 @@ def reused_vae_stage(source: Path, key: dict, pool: Pool, log: Log) -> dict:
         if row.get("stage") == "vae" and not row.get("reused"):
             log.append(row)
     log("vae", reused_from=source.name, final=True)
-    return {"key": key, "vae": vae.state_dict(), "config": dict(vae.config), "lat_mean": mean * scale,
-            "lat_std": std * scale}
+    return vae, mean * scale, std * scale
 
 
 # --- stage 3: UNet ---------------------------------------------------------------------------------
@@ -487,10 +486,10 @@ def write_card(folder: Path, command: str, settings: dict, pool_slices: list[dic
 
 
 def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command: str = "",
-             threads: Optional[int] = None, reuse_vae: Optional[Path] = None) -> Path:
+             threads: Optional[int] = None, vae_source: Optional[Path] = None) -> Path:
     """Trains every stage and writes the SD-layout folder ``out`` (atomically replacing an old one).
 
-    ``reuse_vae``: a folder this function wrote earlier whose VAE is taken instead of training one (its
+    ``vae_source``: a folder this function wrote earlier whose VAE is taken instead of training one (its
     VAE settings and data must be this run's; checked before anything is written)."""
     from transformers import AutoModel, AutoTokenizer
 
@@ -500,9 +499,9 @@ def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command
     if threads:
         torch.set_num_threads(threads)
     out = Path(out).resolve()
-    if reuse_vae is not None:
-        reuse_vae = Path(reuse_vae).resolve()
-        check_reusable_vae(reuse_vae, settings)
+    if vae_source is not None:
+        vae_source = Path(vae_source).resolve()
+        check_reusable_vae(vae_source, settings)
     # Finished stages and UNet checkpoints live here until the end, so a killed run resumes where it
     # stopped (stages whose settings changed are retrained).
     partial = out.parent / f".{out.name}.partial"
@@ -538,11 +537,9 @@ def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command
         token_scale = float(tokens[mask.bool()].norm(dim=-1).mean())
         vae_key = _stage_key(settings, "vae")
         done = _load_stage(partial / "vae.pt", vae_key)
-        if done is None and reuse_vae is not None:
-            done = reused_vae_stage(reuse_vae, vae_key, pool, log)
-            _save_atomic(done, partial / "vae.pt")
         if done is None:
-            vae, lat_mean, lat_std = train_vae(pool, settings, log, quiet)
+            vae, lat_mean, lat_std = (train_vae(pool, settings, log, quiet) if vae_source is None
+                                      else reuse_vae(vae_source, pool, log))
             _save_atomic({"key": vae_key, "vae": vae.state_dict(), "config": dict(vae.config), "lat_mean": lat_mean,
                           "lat_std": lat_std}, partial / "vae.pt")
         else:
@@ -603,6 +600,6 @@ def run_from_cli(args) -> int:
     settings = PretrainSettings(**fields)
     command = "fedguide pretrain-guidance " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else ""
     path = pretrain(args.out, settings, quiet=args.quiet, command=command, threads=args.threads,
-                    reuse_vae=getattr(args, "reuse_vae", None))
+                    vae_source=args.reuse_vae)
     print(f"embedded guidance models written to {path}")
     return 0
