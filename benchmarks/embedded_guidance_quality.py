@@ -154,10 +154,6 @@ def zero_shot(gm, ds) -> float:
 
 
 def probe(gm, ds, seed: int) -> float:
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import cross_val_score
-    from sklearn.preprocessing import StandardScaler
-
     layers = ("up.1", "up.2", "up.3")
     # d = 256: what FedDifRC's fused_dim=auto takes from this model's decoder layers 2-4 (128/128/64 channels).
     feats = DiffusionFeatures(gm, FeatureSpec(layers, t=150, noise_seed=seed), FusedFeatures(layers, d=256, seed=seed))
@@ -169,14 +165,22 @@ def probe(gm, ds, seed: int) -> float:
         return torch.cat([feats(x[i:i + 250], [""] * len(x[i:i + 250]), np.arange(i, i + len(x[i:i + 250])) + offset)
                           for i in range(0, len(x), 250)]).numpy()
 
-    tr, te = vectors(pub_x, 0), vectors(test_x, 10 ** 6)
+    return linear_probe(vectors(pub_x, 0), vectors(test_x, 10 ** 6), ds, "probe")
+
+
+def linear_probe(tr: np.ndarray, te: np.ndarray, ds, name: str) -> float:
+    """Standardised logistic regression trained on public-pool vectors, scored on the test vectors."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import cross_val_score
+    from sklearn.preprocessing import StandardScaler
+
     scaler = StandardScaler().fit(tr)
     tr, te, y = scaler.transform(tr), scaler.transform(te), ds["pub_y"].numpy()
     # The probe's regularisation is chosen by 3-fold cross-validation on the public pool alone (never on
     # the test set it is scored on).
     cv = {c: cross_val_score(LogisticRegression(max_iter=2000, C=c), tr, y, cv=3).mean() for c in PROBE_C}
     best = max(cv, key=cv.get)
-    print(f"probe: C by 3-fold CV on the public pool {dict((c, round(float(a), 4)) for c, a in cv.items())} -> {best}",
+    print(f"{name}: C by 3-fold CV on the public pool {dict((c, round(float(a), 4)) for c, a in cv.items())} -> {best}",
           flush=True)
     return float(LogisticRegression(max_iter=2000, C=best).fit(tr, y).score(te, ds["test_y"].numpy()))
 
