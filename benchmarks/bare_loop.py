@@ -9,7 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fedguide.fl.training import make_optimizer
+from fedguide.core.training import make_optimizer
 from fedguide.models import ModelSpec, build_model
 
 

@@ -23,7 +23,8 @@ BASE = ["train.rounds={rounds}", "clients.per_round=10", "partition.name=iid", "
 
 def child(num: int, overrides: list[str]) -> None:
     from fedguide.config import load_config
-    from fedguide.fl.engine import Experiment, prepare
+    from fedguide.fl.engine import Experiment
+    from fedguide.fl.setup import prepare
 
     prepared = prepare(load_config(REPO / "configs/fmnist_dir0.1.yaml", [f"clients.num={num}", *overrides]))
     with tempfile.TemporaryDirectory() as tmp:

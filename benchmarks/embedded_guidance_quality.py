@@ -34,8 +34,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from fedguide.fl.atomic import write_atomic, write_text  # noqa: E402
-from fedguide.guidance.config import GuidanceConfig  # noqa: E402
+from fedguide.core.atomic import write_atomic, write_text  # noqa: E402
+from fedguide.config import GuidanceConfig  # noqa: E402
 from fedguide.guidance.embedded.augment import random_views  # noqa: E402
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec  # noqa: E402
 from fedguide.guidance.fused import FusedFeatures  # noqa: E402
@@ -197,7 +197,7 @@ def save_grid(rows: torch.Tensor, path: Path) -> None:
 
 
 def update_card(folder: Path, numbers: dict, extra: dict, grids: list[str]) -> None:
-    from fedguide.guidance.embedded.pretrain import file_hashes
+    from fedguide.guidance.embedded.pretrain.card import file_hashes
 
     card = folder / "MODEL_CARD.md"
     text = card.read_text()
@@ -251,7 +251,7 @@ def main() -> None:
         print(f"{k:<10} {v:.4f}  (bar {BARS[k]}, {'met' if v >= BARS[k] else 'NOT met'})")
     print(json.dumps(extra))
     if args.write_card:
-        from fedguide.guidance.loading import resolve_source
+        from fedguide.guidance.sources import resolve_source
 
         folder = resolve_source(args.model)
         names = []

@@ -20,7 +20,8 @@ import torch
 from bare_loop import BareLoop, batch_sizes
 
 from fedguide.config import load_config
-from fedguide.fl.engine import Experiment, prepare
+from fedguide.fl.engine import Experiment
+from fedguide.fl.setup import prepare
 
 REPO = Path(__file__).resolve().parents[1]
 

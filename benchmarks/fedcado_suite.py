@@ -94,7 +94,7 @@ def per_client_accuracy(run_dir: Path, classes: list[list[int]]) -> list[float]:
     import torch
     from safetensors.torch import load_file
 
-    from fedguide.fl.engine import load_run_config, prepare
+    from fedguide.fl.setup import load_run_config, prepare
     from fedguide.models import build_model
 
     prepared = prepare(load_run_config(run_dir))

@@ -67,7 +67,7 @@ def _workload(config: str, overrides_json: str):
     key = f"{config}\n{overrides_json}"
     if key not in _WORKLOAD:
         from fedguide.config import load_config
-        from fedguide.fl.engine import prepare
+        from fedguide.fl.setup import prepare
         from fedguide.models import build_model
 
         _WORKLOAD.clear()  # a new workload replaces the old one: one copy of the data per process
@@ -93,7 +93,7 @@ def local_sgd(model, data, train, generator) -> tuple[float, int]:
     import torch
     import torch.nn.functional as F
 
-    from fedguide.fl.training import has_batchnorm, make_optimizer
+    from fedguide.core.training import has_batchnorm, make_optimizer
 
     n = len(data)
     optimizer = make_optimizer(model, train)
@@ -122,7 +122,7 @@ def client_train(msg, context):
     import torch
     from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-    from fedguide.fl.seeding import derive_seed, torch_generator
+    from fedguide.core.seeding import derive_seed, torch_generator
 
     torch.set_num_threads(1)
     config = msg.content["config"]
@@ -229,8 +229,8 @@ def _simulate(spec: dict[str, Any], stamps: dict[str, float]) -> dict[str, Any]:
     from flwr.simulation import run_simulation
 
     from fedguide.config import load_config
-    from fedguide.fl.engine import prepare
-    from fedguide.fl.seeding import derive_seed
+    from fedguide.fl.setup import prepare
+    from fedguide.core.seeding import derive_seed
     from fedguide.models import build_model
 
     stamps["imported"] = time.time()

@@ -22,7 +22,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from fedguide.guidance.config import GuidanceConfig  # noqa: E402
+from fedguide.config import GuidanceConfig  # noqa: E402
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec  # noqa: E402
 from fedguide.guidance.fused import FusedFeatures  # noqa: E402
 from fedguide.guidance.model import GuidanceModel  # noqa: E402

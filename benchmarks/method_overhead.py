@@ -14,7 +14,8 @@ import tempfile
 from pathlib import Path
 
 from fedguide.config import load_config
-from fedguide.fl.engine import Experiment, prepare
+from fedguide.fl.engine import Experiment
+from fedguide.fl.setup import prepare
 
 REPO = Path(__file__).resolve().parents[1]
 

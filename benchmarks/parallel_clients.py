@@ -33,7 +33,8 @@ CONFIG = REPO / "configs/fmnist_dir0.1.yaml"
 
 def fedguide_rounds(overrides: list[str]) -> tuple[list[float], dict]:
     from fedguide.config import load_config
-    from fedguide.fl.engine import Experiment, prepare
+    from fedguide.fl.engine import Experiment
+    from fedguide.fl.setup import prepare
 
     prepared = prepare(load_config(CONFIG, overrides))
     with tempfile.TemporaryDirectory() as tmp:

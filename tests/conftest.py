@@ -13,3 +13,24 @@ from hypothesis import settings  # noqa: E402
 
 settings.register_profile("fedguide", derandomize=True, deadline=None)
 settings.load_profile("fedguide")
+
+
+# ---- tiny random Stable-Diffusion-layout pipelines, built once per session (guidance and method tests) ----
+import pytest  # noqa: E402
+
+from fedguide.guidance.tiny import build_tiny_clip, build_tiny_pipeline  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_sd(tmp_path_factory):
+    return build_tiny_pipeline(tmp_path_factory.mktemp("tiny-sd"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_unclip(tmp_path_factory):
+    return build_tiny_pipeline(tmp_path_factory.mktemp("tiny-unclip"), seed=1, unclip=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tmp_path_factory):
+    return build_tiny_clip(tmp_path_factory.mktemp("tiny-clip"), seed=2)

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from fedguide.config import Config, apply_overrides, build_config, load_config, load_raw, parse_value, to_yaml
-from fedguide.fl.engine import resolve
+from fedguide.fl.setup import resolve
 from fedguide.registry import ConfigError, Registry
 
 
@@ -24,7 +24,9 @@ def test_defaults_load():
     assert cfg.method.name == "fedavg"
     assert (cfg.clients.num, cfg.clients.per_round) == (10, 10)
     assert cfg.train.rounds == 20 and cfg.train.lr == 0.01 and cfg.train.optimizer == "sgd"
-    assert cfg.runtime.workers == 1 and cfg.runtime.threads_per_worker is None
+    assert cfg.runtime.name == "local"
+    runtime = resolve(cfg)[0].runtime  # a runtime's keys are its Params', written out when resolved
+    assert runtime.workers == 1 and runtime.threads_per_worker is None
     assert cfg.seed == 0 and cfg.meta == {}
 
 

@@ -26,7 +26,7 @@ import pytest
 
 from fedguide.config import load_config, load_raw
 from fedguide.data.partition import PARTITIONS
-from fedguide.fl.engine import resolve
+from fedguide.fl.setup import resolve
 from fedguide.methods import METHODS
 
 PAPER_DIR = Path(__file__).resolve().parents[1] / "configs" / "paper"

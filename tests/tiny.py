@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from fedguide.config import Config, build_config
-from fedguide.fl.engine import TIMING_METRICS, Experiment, prepare
+from fedguide.fl.engine import TIMING_METRICS, Experiment
+from fedguide.fl.setup import prepare
 
 BASE = {
     "data": {"name": "digits"},

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from fedguide.fl.workers import WorkerCrashed
+from fedguide.fl.runtimes.base import RUNTIMES, WorkerCrashed
 from fedguide.registry import ConfigError
 
 
@@ -50,14 +50,14 @@ def _sweep_grid(sweeps: list[str]) -> list[list[str]]:
 
 def _run_one(config_path: Path, overrides: list[str], run_dir: Optional[Path], dry_run: bool, quiet: bool, console):
     from fedguide.config import load_config, to_yaml
-    from fedguide.fl.engine import Experiment, prepare
+    from fedguide.fl.engine import Experiment
+    from fedguide.fl.setup import prepare
 
     prepared = prepare(load_config(config_path, overrides))
     cfg = prepared.config
-    if cfg.runtime.name == "flower" and not dry_run:
-        raise ConfigError("runtime.name=flower runs on a Flower deployment: start 'fedguide serve CONFIG' and "
-                          "one 'fedguide client --partition-id I CONFIG' per client (README \"Running on several "
-                          "machines\")")
+    refusal = RUNTIMES.get(cfg.runtime.name).obj.refuses(run_dir, resume=False)
+    if refusal and not dry_run:
+        raise ConfigError(refusal)
     if dry_run:
         print(to_yaml(cfg), end="")
         print("partition summary: " + json.dumps(prepared.data.summary()))
@@ -108,7 +108,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from fedguide.fl.engine import Experiment, load_run_config, prepare
+    from fedguide.fl.engine import Experiment
+    from fedguide.fl.setup import load_run_config, prepare
 
     console = _console()
     run_dir = args.run_dir
@@ -116,8 +117,9 @@ def cmd_resume(args) -> int:
         console.print(f"{run_dir} is already complete (summary.json exists); nothing to resume")
         return 0
     cfg = load_run_config(run_dir)
-    if cfg.runtime.name == "flower":
-        raise ConfigError(f"{run_dir} ran on a Flower deployment; continue it with: fedguide serve --resume {run_dir}")
+    refusal = RUNTIMES.get(cfg.runtime.name).obj.refuses(run_dir, resume=True)
+    if refusal:
+        raise ConfigError(refusal)
     prepared = prepare(cfg)
     progress = _progress(console, args.quiet)
     exp = Experiment(prepared, run_dir, log=(lambda s: None) if args.quiet else console.print, progress=progress)
@@ -132,8 +134,8 @@ def cmd_resume(args) -> int:
 
 def cmd_serve(args) -> int:
     from fedguide.config import load_config
-    from fedguide.fl.engine import resolve
     from fedguide.fl.flower.deploy import serve
+    from fedguide.fl.setup import resolve
 
     console = _console()
     if args.resume:
@@ -165,8 +167,8 @@ def cmd_serve(args) -> int:
 
 def cmd_client(args) -> int:
     from fedguide.config import load_config
-    from fedguide.fl.engine import resolve
     from fedguide.fl.flower.node import run_client_node
+    from fedguide.fl.setup import resolve
 
     console = _console()
     cfg, _ = resolve(load_config(args.config, args.overrides))
@@ -192,7 +194,7 @@ def registry_listing() -> dict[str, list[dict]]:
                  "params": {k: f.get_default(call_default_factory=True) for k, f in e.params.model_fields.items()}} for e in reg.entries()]
 
     return {"methods": rows(METHODS), "regularizers": rows(REGULARIZERS), "datasets": rows(DATASETS),
-            "partitions": rows(PARTITIONS), "models": rows(MODELS)}
+            "partitions": rows(PARTITIONS), "models": rows(MODELS), "runtimes": rows(RUNTIMES)}
 
 
 def cmd_list(args) -> int:
@@ -200,12 +202,14 @@ def cmd_list(args) -> int:
     if args.json:
         print(json.dumps(listing, indent=2, default=str))
         return 0
+    from rich.markup import escape
+
     console = _console()
     for kind, rows in listing.items():
         console.print(f"[bold]{kind}[/]")
         for r in rows:
-            params = ", ".join(f"{k}={v}" for k, v in r["params"].items())
-            console.print(f"  {r['name']:<14} {r['summary']}" + (f"  [dim]({params})[/]" if params else ""))
+            params = escape(", ".join(f"{k}={v}" for k, v in r["params"].items()))
+            console.print(f"  {r['name']:<14} {escape(r['summary'])}" + (f"  [dim]({params})[/]" if params else ""))
     return 0
 
 
@@ -226,10 +230,7 @@ def cmd_report(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedguide", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_run(sub) -> None:
     run = sub.add_parser("run", help="run an experiment from a YAML config")
     run.add_argument("config", type=Path)
     run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. method.name=fedprox method.mu=0.01")
@@ -250,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--quiet", action="store_true")
     res.set_defaults(func=cmd_resume)
 
+
+def _add_flower(sub) -> None:
     srv = sub.add_parser("serve", help="run an experiment on a Flower deployment: SuperLink + ServerApp "
                                         "(runtime.name=flower; clients join with 'fedguide client')")
     srv.add_argument("target", type=Path, help="the YAML config; with --resume, the run directory")
@@ -272,7 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_argument("--quiet", action="store_true")
     cli.set_defaults(func=cmd_client)
 
-    lst = sub.add_parser("list", help="registered methods, datasets, partitions and models")
+
+def _add_results(sub) -> None:
+    lst = sub.add_parser("list", help="registered methods, datasets, partitions, models and runtimes")
     lst.add_argument("--json", action="store_true")
     lst.set_defaults(func=cmd_list)
 
@@ -280,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dirs", nargs="+", type=Path)
     rep.add_argument("--out", type=Path, default=None)
     rep.set_defaults(func=cmd_report)
+
+
+def _add_pretrain(sub) -> None:
     pre = sub.add_parser("pretrain-guidance", help="train the embedded guidance models (mini SD + mini CLIP) "
                                                    "from scratch on the embedded datasets' public pools")
     pre.add_argument("--out", type=Path, required=True, help="folder to write (SD layout + MODEL_CARD.md)")
@@ -292,14 +300,29 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--reuse-vae", dest="reuse_vae", type=Path, default=None,
                      help="take the VAE of a folder this command wrote before (same VAE settings and data) "
                           "instead of training one")
+    pre.add_argument("--repa-weight", dest="repa_weight", type=float, default=None,
+                     help="weight of the UNet's representation-alignment (REPA) loss; 0 (default) trains without it")
+    pre.add_argument("--repa-layers", dest="repa_layers", default=None,
+                     type=lambda v: tuple(name.strip() for name in v.split(",") if name.strip()),
+                     help="comma-separated UNet blocks aligned: mid, down.i, up.i (default up.1)")
+    pre.add_argument("--repa-target", dest="repa_target", choices=("effnet", "clip"), default=None,
+                     help="alignment target: the frozen EfficientNet-Lite0 feature map of the clean image (effnet, "
+                          "default) or its mini-CLIP embedding (clip)")
     pre.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     pre.add_argument("--quiet", action="store_true")
     pre.set_defaults(func=_pretrain_guidance)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedguide", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_run, _add_flower, _add_results, _add_pretrain):
+        add(sub)
     return parser
 
 
 def _pretrain_guidance(args) -> int:
-    from fedguide.guidance.embedded.pretrain import run_from_cli
+    from fedguide.guidance.embedded.pretrain.run import run_from_cli
 
     return run_from_cli(args)
 

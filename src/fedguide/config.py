@@ -1,19 +1,19 @@
 """The typed experiment config: YAML + dotted overrides -> validated, fully resolved settings.
 
-Sections with a ``name`` (data, partition, model, method) carry the named entry's own parameters;
+Sections with a ``name`` (data, partition, model, method, runtime) carry the named entry's own parameters;
 those are validated against the entry's ``Params`` model, so every default lives in one place and
 the resolved config written to a run directory lists them all.
 """
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fedguide.guidance.config import GuidanceConfig
 from fedguide.registry import ConfigError
 
 
@@ -40,63 +40,54 @@ class DataConfig(Named):
     public_seed: int = Field(0, description="fixes the public pool, independently of the run seed")
 
 
+class RuntimeConfig(Named):
+    """Where the clients train; the other keys are the named runtime's (``fl/runtimes/``)."""
+
+    name: str = "local"
+
+
 class ClientsConfig(Strict):
     num: int = Field(10, ge=1)
     per_round: int = Field(10, ge=1)
-
-
-class RuntimeConfig(Strict):
-    name: Literal["local", "flower-sim", "flower"] = Field(
-        "local", description="local = clients in this process or a worker pool; flower-sim = clients as "
-                             "virtual SuperNodes of Flower's simulation engine (pip install 'flwr[simulation]'); "
-                             "flower = a Flower deployment: 'fedguide serve' and one 'fedguide client' per client")
-    # Default 1: on a 2-core machine the FMNIST CNN trained a round slower in a 2-process pool (13.5 s,
-    # one thread each) than in-process with 2 threads (11.4 s); see README "Parallel clients".
-    workers: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
-        1, description="processes training the clients of a round; 1 = in the server process; auto")
-    threads_per_worker: Optional[int] = Field(
-        None, ge=1, description="torch intra-op threads per process; null = chosen with workers")
-    # Deployment (name: flower) only; the other runtimes ignore these keys.
-    superlink: str = Field(
-        "127.0.0.1:9092", description="flower: host:port of the SuperLink as the clients reach it; "
-                                      "'fedguide serve' listens on its port")
-    min_clients: Optional[int] = Field(
-        None, ge=1, description="flower: a round counts when at least this many of its sampled clients "
-                                "reply; the others are recorded as failed; null = every sampled client")
-    round_timeout: Optional[float] = Field(
-        None, gt=0, description="flower: seconds a round waits for replies before counting the missing "
-                                "clients as failed; null = until Flower reports their SuperNode gone")
-    connect_timeout: float = Field(
-        600.0, gt=0, description="flower: seconds the server waits for every client to connect")
-    client_process: Literal["long-lived", "per-message"] = Field(
-        "long-lived", description="flower, client side: long-lived = one process per client trains every "
-                                  "message (torch and the data load once); per-message = Flower's own "
-                                  "flwr-clientapp process per message")
-
-    @model_validator(mode="after")
-    def _deployment(self) -> "RuntimeConfig":
-        if self.name == "flower" and self.workers != 1:
-            raise ValueError("runtime.workers does not apply to runtime.name=flower (each client is its own "
-                             "process); remove it, and set runtime.threads_per_worker for the clients' threads")
-        host, _, port = self.superlink.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"runtime.superlink {self.superlink!r} is not host:port; write e.g. 127.0.0.1:9092")
-        return self
 
 
 class TrainConfig(Strict):
     rounds: int = Field(20, ge=1)
     epochs: int = Field(1, ge=1)
     local_steps: Optional[int] = Field(
-        None, ge=0, description="every client takes exactly this many optimiser steps per round, "
-                                "passing over its data as often as needed (overrides epochs); 0 = none "
-                                "(methods whose clients only infer or train their own models)")
+        None, ge=1, description="every client takes exactly this many optimiser steps per round, "
+                                "passing over its data as often as needed (overrides epochs)")
     batch_size: int = Field(64, ge=1)
     optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(0.01, gt=0.0)
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(1e-5, ge=0.0)
     eval_batch_size: int = Field(1024, ge=1)
+
+
+class GuidanceConfig(Strict):
+    """The ``guidance:`` section: which frozen text-to-image model and image encoder to load."""
+
+    model: Optional[str] = Field(
+        "embedded", description="SD-layout pipeline: 'embedded' (fedguide's own small trained models, offline), a "
+                                "hub id (runwayml/stable-diffusion-v1-5, stabilityai/stable-diffusion-2-1, "
+                                "stabilityai/stable-diffusion-2-1-unclip) or a local folder of the same layout")
+    revision: Optional[str] = Field(None, description="hub revision (branch, tag or commit) of a hub id")
+    image_encoder: Optional[str] = Field(
+        None, description="CLIP image encoder: a hub id or folder of a CLIPModel (zero-shot available) or a "
+                          "CLIPVisionModelWithProjection; null = the pipeline's own image_encoder/ if it has one; "
+                          "'none' = no image encoder")
+    device: str = Field("auto", description="auto = cuda when available, else cpu")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="auto = float16 on a GPU, float32 on a CPU")
+    feature_cache: Optional[str] = Field(
+        None, description="folder of the feature cache; null = $FEDGUIDE_CACHE or ~/.cache/fedguide/features")
+    rebuild: bool = Field(False, description="recompute cached features (fedguide run --rebuild)")
+
+    def cache_dir(self) -> Path:
+        if self.feature_cache:
+            return Path(self.feature_cache).expanduser()
+        return Path(os.environ.get("FEDGUIDE_CACHE", "~/.cache/fedguide/features")).expanduser()
 
 
 class Config(Strict):

@@ -5,8 +5,10 @@ validated against it, so an unknown key or a wrong type is reported with the val
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -30,9 +32,26 @@ class Entry(Generic[T]):
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str):
+    """Entries by name. ``plugins`` names modules (or packages: every public module in them) whose
+    import registers more entries; they are imported at the first lookup, so a registry never misses
+    an entry because its module had not been imported yet, and a module holding entries never has to
+    be imported by the one holding the registry (no import cycle)."""
+
+    def __init__(self, kind: str, plugins: Sequence[str] = ()):
         self.kind = kind
         self._entries: dict[str, Entry[T]] = {}
+        self._plugins = tuple(plugins)
+        self._loaded = not self._plugins
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True  # set first: the plugins' own imports may look entries up
+        for name in self._plugins:
+            module = importlib.import_module(name)
+            for info in pkgutil.iter_modules(getattr(module, "__path__", [])):
+                if not info.name.startswith("_"):
+                    importlib.import_module(f"{name}.{info.name}")
 
     def register(self, name: str, params: type[BaseModel] | None = None, summary: str = "") -> Callable[[T], T]:
         def deco(obj: T) -> T:
@@ -45,15 +64,18 @@ class Registry(Generic[T]):
         return deco
 
     def names(self) -> list[str]:
+        self._load()
         return sorted(self._entries)
 
     def entries(self) -> list[Entry[T]]:
         return [self._entries[n] for n in self.names()]
 
     def __contains__(self, name: str) -> bool:
+        self._load()
         return name in self._entries
 
     def get(self, name: str) -> Entry[T]:
+        self._load()
         if name not in self._entries:
             raise ConfigError(f"unknown {self.kind} '{name}'; valid choices: {', '.join(self.names())}")
         return self._entries[name]
@@ -66,6 +88,7 @@ class Registry(Generic[T]):
         except ValidationError as err:
             fields = ", ".join(entry.params.model_fields) or "(none)"
             problems = "; ".join(
-                f"{where}.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
+                f"{'.'.join([where, *(str(p) for p in e['loc'])])}: {e['msg'].removeprefix('Value error, ')}"
+                for e in err.errors()
             )
             raise ConfigError(f"{problems} — valid keys for {self.kind} '{name}': name, {fields}") from None

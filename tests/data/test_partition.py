@@ -7,8 +7,8 @@ from fedguide.data.partition import (
     PARTITIONS,
     client_class_counts,
     longtail_indices,
-    make_partition,
 )
+from fedguide.data.scenarios import make_partition
 from fedguide.registry import ConfigError
 
 

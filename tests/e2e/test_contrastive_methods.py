@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fedguide.fl.state import ClientStateStore
+from fedguide.core.state import ClientStateStore
 from tiny import run_tiny, tiny_config, without_timing
 
 

@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from fedguide.fl.aggregation import sample_weighted_average, weighted_average
+from fedguide.core.aggregation import sample_weighted_average, weighted_average
 
 
 def test_hand_computed_sample_weighted_average():

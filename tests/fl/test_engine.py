@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from fedguide.fl.engine import Experiment, prepare
-from fedguide.fl.seeding import sample_clients
-from fedguide.fl.state import ClientStateStore
+from fedguide.fl.engine import Experiment
+from fedguide.fl.setup import prepare
+from fedguide.core.seeding import sample_clients
+from fedguide.core.state import ClientStateStore
 from fedguide.registry import ConfigError
 from fedguide.config import build_config
 from tiny import run_tiny, tiny_config, tiny_raw

@@ -17,8 +17,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from fedguide.config import RuntimeConfig, build_config, to_yaml
-from fedguide.fl.engine import prepare
+from fedguide.config import build_config, to_yaml
+from fedguide.fl.setup import prepare
 from fedguide.registry import ConfigError
 from tiny import run_tiny, tiny_config, tiny_raw, without_timing
 
@@ -28,6 +28,7 @@ from fedguide.fl.flower import deploy, node as client_side  # noqa: E402
 from fedguide.fl.flower.messages import FlowerClientFailed  # noqa: E402
 from fedguide.fl.flower.processes import alive, command_line, descendants, free_port, stop_tree  # noqa: E402
 from fedguide.fl.flower.protocol import comparable, differences, fingerprint, run_key  # noqa: E402
+from fedguide.fl.runtimes.flower import FlowerParams  # noqa: E402
 
 DEPLOY_KEYS = {"failed_clients", "client_errors"}
 FLOWER = {"name": "flower", "workers": 1, "threads_per_worker": 1}
@@ -59,10 +60,10 @@ def test_fingerprint_ignores_machine_local_keys_and_differences_name_the_rest():
 
 def test_runtime_config_refuses_what_a_deployment_cannot_use():
     with pytest.raises(ValueError, match="runtime.workers does not apply"):
-        RuntimeConfig(name="flower", workers=2)
+        FlowerParams(workers=2)
     with pytest.raises(ValueError, match="not host:port"):
-        RuntimeConfig(name="flower", superlink="localhost")
-    assert RuntimeConfig(name="flower").min_clients is None
+        FlowerParams(superlink="localhost")
+    assert FlowerParams().min_clients is None
 
 
 def test_run_and_resume_point_a_flower_config_to_serve(tmp_path, capsys):
@@ -142,7 +143,7 @@ def loopback(tmp_path, monkeypatch):
 def run_deployed(tmp_path, cfg, grid, name="deployed", resume=False):
     lines: list[str] = []
     run_dir = tmp_path / name
-    summary = deploy.DeployedExperiment(prepare(cfg), run_dir, grid, log=lines.append).run(resume=resume)
+    summary = deploy.deployed_experiment(prepare(cfg), run_dir, grid, log=lines.append).run(resume=resume)
     return summary, read_rows(run_dir), run_dir, lines
 
 

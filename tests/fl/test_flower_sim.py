@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from fedguide.config import RuntimeConfig
+from fedguide.fl.runtimes.flower_sim import FlowerSimParams
 from fedguide.fl.flower.records import decode, encode
 from fedguide.fl.client_step import ClientResult
 from fedguide.fl.flower.sim import (FlowerClientFailed, FlowerClients, actors_and_threads, descendants,
@@ -69,9 +69,9 @@ def test_codec_refuses_what_it_cannot_carry_exactly(bad, fragment):
 
 
 def test_actor_count_defaults_to_cores_and_one_thread():
-    assert actors_and_threads(RuntimeConfig(name="flower-sim"), per_round=8, cores=2) == (2, 1)
-    assert actors_and_threads(RuntimeConfig(name="flower-sim"), per_round=1, cores=16) == (1, 1)
-    assert actors_and_threads(RuntimeConfig(name="flower-sim", workers=3, threads_per_worker=2), 8, cores=2) == (3, 2)
+    assert actors_and_threads(FlowerSimParams(), per_round=8, cores=2) == (2, 1)
+    assert actors_and_threads(FlowerSimParams(), per_round=1, cores=16) == (1, 1)
+    assert actors_and_threads(FlowerSimParams(workers=3, threads_per_worker=2), 8, cores=2) == (3, 2)
 
 
 def reply(node, error=None, result=None):
@@ -122,7 +122,7 @@ def ray_like(pids) -> list[int]:
 @pytest.mark.e2e
 @pytest.mark.parametrize("method", [{"name": "fedavg"}, {"name": "fedprox", "mu": 0.01}, {"name": "scaffold"}])
 def test_flower_sim_matches_local_runtime(tmp_path, monkeypatch, method):
-    import fedguide.fl.flower as flower
+    import fedguide.fl.runtimes.flower_sim as flower
 
     started = []
 

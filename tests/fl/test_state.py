@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fedguide.fl.state import ClientStateStore
+from fedguide.core.state import ClientStateStore
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from fedguide.config import TrainConfig
-from fedguide.fl.training import train_local
+from fedguide.core.training import train_local
 from fedguide.methods import ClientContext
 from fedguide.methods.base import Method
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedguide.fl.weights import WeightLayout
+from fedguide.core.weights import WeightLayout
 
 
 def make_model(seed: int = 0) -> nn.Module:

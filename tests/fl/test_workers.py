@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from fedguide.config import build_config
-from fedguide.fl.engine import Experiment, prepare
-from fedguide.config import RuntimeConfig
-from fedguide.fl.workers import DEFAULT_THREADS, WorkerCrashed, auto_workers, resolve_workers
+from fedguide.fl.engine import Experiment
+from fedguide.fl.setup import prepare
+from fedguide.fl.runtimes.local import DEFAULT_THREADS, LocalParams, WorkerCrashed, auto_workers, resolve_workers
 from fedguide.methods import METHODS
 from fedguide.fl.engine import TIMING_METRICS
 from tiny import GUIDED_METHODS
@@ -108,7 +108,7 @@ def test_auto_picks_processes_from_cores_and_model_size():
     # In-process clients get torch's start-up default even after another run changed the count.
     torch.set_num_threads(1)
     try:
-        assert resolve_workers(RuntimeConfig(workers=1), per_round=4, num_params=10, cores=8) == (1, DEFAULT_THREADS)
+        assert resolve_workers(LocalParams(workers=1), per_round=4, num_params=10, cores=8) == (1, DEFAULT_THREADS)
     finally:
         torch.set_num_threads(DEFAULT_THREADS)
 
@@ -120,7 +120,8 @@ def test_a_script_without_main_guard_fails_clearly_instead_of_hanging(tmp_path):
         "import sys\n"
         f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
         "from tiny import tiny_config\n"
-        "from fedguide.fl.engine import Experiment, prepare\n"
+        "from fedguide.fl.engine import Experiment\n"
+        "from fedguide.fl.setup import prepare\n"
         "cfg = tiny_config(runtime={'workers': 2, 'threads_per_worker': 1}, train={'rounds': 1})\n"
         f"Experiment(prepare(cfg), {str(tmp_path / 'run')!r}, log=lambda s: None).run()\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedguide.guidance.config import GuidanceConfig
+from fedguide.config import GuidanceConfig
 from fedguide.guidance.embedded import SHIPPED
 from fedguide.guidance.model import GuidanceModel
 
@@ -60,7 +60,8 @@ def test_image_token_and_zero_shot(embedded):
 
 def test_pretrain_writes_a_loadable_sd_layout(tmp_path):
     from fedguide.data.federated import public_pool
-    from fedguide.guidance.embedded.pretrain import load_pool, pretrain
+    from fedguide.guidance.embedded.pretrain.data import load_pool
+    from fedguide.guidance.embedded.pretrain.run import pretrain
 
     settings = small_settings(max_per_class=3, clip_augmented_views=(0, 2), clip_image_size=48, unet_steps=2)
     pool = load_pool(settings)
@@ -81,8 +82,9 @@ def test_pretrain_writes_a_loadable_sd_layout(tmp_path):
 def test_the_pool_is_the_runs_public_slice():
     """A run with data.public_fraction 0.1 (public_seed 0) never gives a client an image the models saw."""
     from fedguide.config import build_config
-    from fedguide.fl.engine import prepare
-    from fedguide.guidance.embedded.pretrain import PretrainSettings, load_pool
+    from fedguide.fl.setup import prepare
+    from fedguide.guidance.embedded.pretrain.data import load_pool
+    from fedguide.guidance.embedded.pretrain.settings import PretrainSettings
 
     prepared = prepare(build_config({"data": {"name": "digits_domains", "public_fraction": 0.1},
                                      "partition": {"name": "iid"}, "clients": {"num": 3, "per_round": 3}}))
@@ -95,7 +97,7 @@ def test_the_pool_is_the_runs_public_slice():
 
 
 def small_settings(**changes):
-    from fedguide.guidance.embedded.pretrain import PretrainSettings
+    from fedguide.guidance.embedded.pretrain.settings import PretrainSettings
 
     return PretrainSettings(**{**dict(max_per_class=2, clip_epochs=1, clip_batch=16, clip_augmented_views=(0, 1),
                                       vae_steps=2, vae_batch=8, unet_steps=4, unet_batch=8,
@@ -116,7 +118,7 @@ def kill_before_writing(pt, monkeypatch, out, settings):
 def test_a_killed_pretraining_resumes_to_the_same_models(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    from fedguide.guidance.embedded import pretrain as pt
+    from fedguide.guidance.embedded.pretrain import run as pt
 
     settings = small_settings()
     clean = pt.pretrain(tmp_path / "clean", settings, quiet=True, threads=1)
@@ -139,7 +141,7 @@ def test_a_killed_pretraining_resumes_to_the_same_models(tmp_path, monkeypatch):
 
 
 def test_mixed_batches_hold_each_datasets_share_and_cycle_the_small_one():
-    from fedguide.guidance.embedded.pretrain import MixedStepBatches
+    from fedguide.guidance.embedded.pretrain.batches import MixedStepBatches
 
     groups = torch.tensor([0] * 600 + [1] * 43)
     draw = MixedStepBatches(groups, (0.6, 0.4), 20, seed=3)
@@ -156,7 +158,7 @@ def test_mixed_batches_hold_each_datasets_share_and_cycle_the_small_one():
 
 @pytest.mark.parametrize("share", [(1.0,), (0.7, 0.4), (1.2, -0.2)])
 def test_a_bad_dataset_share_is_refused_before_training(share):
-    from fedguide.guidance.embedded.pretrain import PretrainSettings
+    from fedguide.guidance.embedded.pretrain.settings import PretrainSettings
 
     with pytest.raises(ValueError, match="unet_dataset_share needs one non-negative share per dataset"):
         PretrainSettings(unet_dataset_share=share)
@@ -164,7 +166,7 @@ def test_a_bad_dataset_share_is_refused_before_training(share):
 
 def test_a_unet_checkpoint_is_not_continued_on_another_clip(tmp_path, monkeypatch):
     """The UNet learns from the CLIP stage's image tokens: retraining CLIP restarts the UNet too."""
-    from fedguide.guidance.embedded import pretrain as pt
+    from fedguide.guidance.embedded.pretrain import run as pt
 
     kill_before_writing(pt, monkeypatch, tmp_path / "models", small_settings())
     out = pt.pretrain(tmp_path / "models", small_settings(clip_augmented_views=(0, 2)), quiet=True, threads=1)
@@ -175,7 +177,7 @@ def test_a_unet_checkpoint_is_not_continued_on_another_clip(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("views", [(3,), (0, -1)])
 def test_bad_augmented_view_counts_are_refused(views):
-    from fedguide.guidance.embedded.pretrain import PretrainSettings
+    from fedguide.guidance.embedded.pretrain.settings import PretrainSettings
 
     with pytest.raises(ValueError, match="clip_augmented_views needs one count >= 0 per dataset"):
         PretrainSettings(clip_augmented_views=views)
@@ -190,7 +192,7 @@ def test_a_bad_backbone_input_size_is_refused_by_the_cli(tmp_path, capsys):
 
 
 def test_a_finished_folders_vae_is_reused_when_its_settings_match(tmp_path, monkeypatch):
-    from fedguide.guidance.embedded import pretrain as pt
+    from fedguide.guidance.embedded.pretrain import run as pt
 
     first = pt.pretrain(tmp_path / "first", small_settings(), quiet=True, threads=1)
     monkeypatch.setattr(pt, "train_vae", lambda *a, **k: pytest.fail("the VAE was trained instead of reused"))
@@ -207,7 +209,7 @@ def test_a_finished_folders_vae_is_reused_when_its_settings_match(tmp_path, monk
 
 def test_a_vae_trained_with_other_settings_is_refused_before_anything_is_written(tmp_path, capsys):
     from fedguide.cli import main
-    from fedguide.guidance.embedded import pretrain as pt
+    from fedguide.guidance.embedded.pretrain import run as pt
 
     first = pt.pretrain(tmp_path / "first", small_settings(vae_steps=1), quiet=True, threads=1)
     with pytest.raises(ValueError, match=r"vae_steps: 1 there, 2 here.*drop --reuse-vae"):

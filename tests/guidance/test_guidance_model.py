@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from fedguide.guidance.condition import ConditionMap, inject
-from fedguide.guidance.config import GuidanceConfig
+from fedguide.config import GuidanceConfig
 from fedguide.guidance.hooks import capture, decoder_layer, layer_order, unet_features
-from fedguide.guidance.loading import GuidanceLoadError, fingerprint, load_guidance
+from fedguide.guidance.loading import load_guidance
+from fedguide.guidance.sources import GuidanceLoadError, fingerprint
 from fedguide.registry import ConfigError
 
 

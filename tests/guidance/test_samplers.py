@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler
 
-from fedguide.guidance.config import GuidanceConfig
+from fedguide.config import GuidanceConfig
 from fedguide.guidance.model import GuidanceModel
 from fedguide.guidance.samplers import (Condition, SamplerConfig, as_eps, guided_eps, image_generators,
                                         initial_noise, sample, scaled_gradient)

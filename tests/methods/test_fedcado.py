@@ -20,10 +20,10 @@ from fedguide.methods._synthetic import (SyntheticStore, check_image_data, from_
                                          to_model_input, to_uint8)
 from fedguide.config import build_config, load_config
 from fedguide.data.sources.base import DatasetSplits
-from fedguide.fl.engine import prepare
-from fedguide.fl.weights import WeightLayout
+from fedguide.fl.setup import prepare
+from fedguide.core.weights import WeightLayout
 from fedguide.guidance import samplers
-from fedguide.guidance.config import GuidanceConfig
+from fedguide.config import GuidanceConfig
 from fedguide.guidance.model import GuidanceModel
 from fedguide.guidance.shared import guidance_pixels
 from fedguide.guidance.tiny import build_tiny_pipeline

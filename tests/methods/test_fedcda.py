@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedguide.fl.checkpoint import load_checkpoint
-from fedguide.fl.state import ClientStateStore
+from fedguide.core.state import ClientStateStore
 from fedguide.methods.fedcda import (FedCDA, FedCDAParams, candidate_gram, select_models,
                                      selection_objective)
 from tiny import run_tiny, tiny_config

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from fedguide.methods.feddf import FedDF
 from fedguide.methods._distill import distillation_loss, fit, mean_logit_targets
 from fedguide.config import build_config
-from fedguide.fl.aggregation import sample_weighted_average
-from fedguide.fl.weights import WeightLayout
+from fedguide.core.aggregation import sample_weighted_average
+from fedguide.core.weights import WeightLayout
 from fedguide.models import MODELS, ModelSpec, build_model
 from fedguide.registry import ConfigError
 from tiny import BASE, run_tiny

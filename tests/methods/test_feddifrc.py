@@ -8,12 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedguide.fl.engine import prepare
-from fedguide.guidance.config import GuidanceConfig
+from fedguide.fl.setup import prepare
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec
 from fedguide.guidance.fused import FusedFeatures
-from fedguide.guidance.shared import guidance_model
-from fedguide.guidance.tiny import build_tiny_pipeline
 from fedguide.methods._diffusion_features import RowLookup, prompt_vectors
 from fedguide.methods.align_features import alignment_loss
 from fedguide.methods.feddifrc import (linear_probe, max_halving_dim, ndcr_loss, orthonormal_lift, tdcl_loss,
@@ -22,70 +19,17 @@ from fedguide.registry import ConfigError
 from tiny import Crash, crash_after, run_tiny, tiny_config, without_timing
 
 CLASSES = 10
+# tiny_sd, sd_model, unet_calls and fmnist_root (60 training images, horizontal bands): conftest.py
 
 
 def t(rows):
     return torch.tensor(rows, dtype=torch.float32)
 
 
-# ---- fixtures: a tiny pipeline and tiny Fashion-MNIST IDX files ---------------------------------------
-def idx_bytes(array: np.ndarray) -> bytes:
-    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
-    return header + array.astype(np.uint8).tobytes()
-
-
-def write_fmnist(folder, n_train=60, n_test=30, seed=0):
-    """Each class is a bright horizontal band at its own height over dim noise: learnable in a round."""
-    rng = np.random.default_rng(seed)
-    names = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", n_train),
-             "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte", n_test)}
-    for images_name, labels_name, n in names.values():
-        labels = np.arange(n) % CLASSES
-        images = rng.integers(0, 40, (n, 28, 28))
-        for i, c in enumerate(labels):
-            images[i, 2 * c + 3: 2 * c + 7, 4:24] = 230
-        (folder / images_name).write_bytes(idx_bytes(images))
-        (folder / labels_name).write_bytes(idx_bytes(labels))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tiny_sd(tmp_path_factory):
-    return build_tiny_pipeline(tmp_path_factory.mktemp("tiny-sd-feddifrc"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def fmnist_root(tmp_path_factory):
-    return write_fmnist(tmp_path_factory.mktemp("fmnist-feddifrc"))
-
-
-@pytest.fixture(scope="module")
-def sd_model(tiny_sd):
-    return guidance_model(GuidanceConfig(model=str(tiny_sd)))
-
-
 def config(tiny_sd, fmnist_root, cache, method="feddifrc", model=None, **params):
     return tiny_config({"data": {"name": "fmnist", "root": str(fmnist_root)}, "model": model or {"name": "mlp"},
                         "guidance": {"model": str(tiny_sd), "feature_cache": str(cache)}, "train": {"rounds": 2}},
                        method={"name": method, **params})
-
-
-class UNetCalls:
-    """Counts UNet forward passes and the images they process (a forward pre-hook)."""
-
-    def __init__(self, unet):
-        self.calls, self.images = 0, 0
-        self.handle = unet.register_forward_pre_hook(self._count)
-
-    def _count(self, module, args):
-        self.calls += 1
-        self.images += int(args[0].shape[0])
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.handle.remove()
 
 
 # ---- TDCL (Eq. 10-11) ------------------------------------------------------------------------------
@@ -251,11 +195,11 @@ def test_runs_end_to_end_and_records_its_setup(tmp_path, tiny_sd, fmnist_root):
     assert (run_dir / "guidance" / "feddifrc_ndcr.safetensors").is_file()
 
 
-def test_features_are_computed_once(tmp_path, tiny_sd, fmnist_root, sd_model):
+def test_features_are_computed_once(tmp_path, tiny_sd, fmnist_root, unet_calls):
     cfg = config(tiny_sd, fmnist_root, tmp_path / "cache")
-    with UNetCalls(sd_model.unet) as first:
+    with unet_calls() as first:
         _, rows_a, _ = run_tiny(tmp_path, cfg, name="a")
-    with UNetCalls(sd_model.unet) as second:
+    with unet_calls() as second:
         _, rows_b, _ = run_tiny(tmp_path, cfg, name="b")
     assert first.calls > 0 and second.calls == 0  # bases and features came from the cache
     assert [r["accuracy"] for r in rows_a] == [r["accuracy"] for r in rows_b]
@@ -268,12 +212,12 @@ def test_public_pool_fits_the_bases(tmp_path, tiny_sd, fmnist_root):
     assert "public pool" in json.loads((run_dir / "guidance" / "feddifrc.json").read_text())["basis_fit"]
 
 
-def test_condition_refresh_round_runs_once_per_round_per_client(tmp_path, tiny_sd, fmnist_root, sd_model):
+def test_condition_refresh_round_runs_once_per_round_per_client(tmp_path, tiny_sd, fmnist_root, unet_calls):
     params = {"condition_refresh": "round", "condition_mode": "append", "extract_batch": 8, "ndcr": False}
     cfg = config(tiny_sd, fmnist_root, tmp_path / "cache", **params)
     cfg.train.epochs = 2  # several epochs, still one refresh per round
     run_tiny(tmp_path, cfg, name="warm")  # the basis into the cache
-    with UNetCalls(sd_model.unet) as counted:
+    with unet_calls() as counted:
         summary, rows, _ = run_tiny(tmp_path, cfg, name="counted")
     sizes = [len(idx) for idx in prepare(cfg).data.client_indices]
     expected_images = sum(sizes[c] * CLASSES for r in rows for c in r["clients"])

@@ -3,8 +3,6 @@ upload audit, the pairing (Eq. 6), composed guidance (Eq. 7) through the sampler
 one-shot runs (with the Table 4 ablations) on a tiny unCLIP pipeline."""
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import math
 from pathlib import Path
@@ -14,67 +12,24 @@ import numpy as np
 import pytest
 import torch
 
-from fedguide.config import build_config
-from fedguide.data.sources import DATASETS
-from fedguide.fl.engine import Experiment, prepare
-from fedguide.guidance.config import GuidanceConfig
+from fedguide.fl.engine import Experiment
+from fedguide.fl.setup import prepare
 from fedguide.guidance.privacy import noised_mean_privacy
 from fedguide.guidance.samplers import SamplerConfig, sample
 from fedguide.guidance.shared import guidance_model
-from fedguide.guidance.tiny import IMAGE_EMBED, build_tiny_pipeline
+from fedguide.guidance.tiny import IMAGE_EMBED
 from fedguide.methods import ClientContext
 from fedguide.methods._centroids import (UPLOAD_KEYS, CentroidParams, client_summary, cluster_centroids,
                                          merge_small_clusters, noise_features)
 from fedguide.methods._frozen_encoder import class_prototypes, labeled_set, pseudo_labels
 from fedguide.methods.feddisc import check_conditioning, composed_conditions, plan_generation
 from fedguide.registry import ConfigError
-from tiny import run_tiny, tiny_raw
+from tiny import run_tiny
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-# ---- fixtures: one tiny unCLIP pipeline and one cached dataset per module ------------------------------
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    return build_tiny_pipeline(tmp_path_factory.mktemp("unclip"), seed=1, unclip=True)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("features")
-
-
-@pytest.fixture(scope="module")
-def model(pipeline):
-    return guidance_model(GuidanceConfig(model=str(pipeline)))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cached_digits():
-    """digits_domains renders its images on every load; the runs of this module share one load per parameters."""
-    entry = DATASETS.get("digits_domains")
-
-    @functools.lru_cache(maxsize=4)
-    def load(key):
-        return entry.obj(entry.params.model_validate(json.loads(key)))
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(DATASETS._entries, "digits_domains",
-                   dataclasses.replace(entry, obj=lambda p: load(p.model_dump_json())))
-        yield
-
-
-SEMI = {"name": "semi_supervised", "server_domain": "uci", "clients": "feature_skew"}
+# unclip_model, digits_config (semi-supervised digits_domains, tiny unCLIP guidance) and cached_digits: conftest.py
+pytestmark = pytest.mark.usefixtures("cached_digits")
 FAST = {"num_centroids": 2, "images_per_centroid": 2, "steps": 2, "head_epochs": 3, "sample_grid": 2}
-
-
-def config(pipeline, cache, method: dict, rounds: int = 1, **over):
-    base = {"data": {"name": "digits_domains", "image_size": 16, "per_class": 20, "fraction": 0.5},
-            "clients": {"num": 2, "per_round": 2}, "train": {"rounds": rounds},
-            "guidance": {"model": str(pipeline), "feature_cache": str(cache)}}
-    raw = tiny_raw(base, method=method, **over)
-    raw["partition"] = dict(SEMI)
-    return build_config(raw)
 
 
 # ---- Eq. 2-3 ------------------------------------------------------------------------------------------
@@ -180,8 +135,8 @@ def test_client_summary_upload_holds_only_centroids_domain_features_and_counts()
     assert torch.allclose(clean["domain_features"][1], feats[20:32].mean(0), atol=1e-5)
 
 
-def test_upload_audit_on_a_real_client(pipeline, cache, tmp_path):
-    cfg = config(pipeline, cache, {"name": "feddisc", **FAST})
+def test_upload_audit_on_a_real_client(digits_config, tmp_path):
+    cfg = digits_config({"name": "feddisc", **FAST})
     prepared = prepare(cfg)
     ctx, method = Experiment(prepared, tmp_path / "run", log=lambda s: None).build_context()
     method.setup()
@@ -227,24 +182,26 @@ def test_plan_pairs_every_centroid_with_same_class_domain_features_of_holding_cl
 
 
 # ---- Eq. 7 --------------------------------------------------------------------------------------------
-def test_zero_weights_are_text_only_cfg_and_nonzero_weights_steer(model):
+def test_zero_weights_are_text_only_cfg_and_nonzero_weights_steer(unclip_model):
     prompts = ["a photo of a 1", "a photo of a 7"]
     cfg = SamplerConfig(steps=2, batch_size=2, guidance_scale=2.0, progress=False)
-    context = model.encode_text(prompts).tokens
+    context = unclip_model.encode_text(prompts).tokens
     z, g = torch.randn(2, IMAGE_EMBED, generator=torch.Generator().manual_seed(1)), torch.randn(2, IMAGE_EMBED)
-    text_only = sample(model, prompts, cfg, decode=False).latents
-    zero = sample(model, prompts, cfg, composed_conditions(model, context, [(0, z), (0, g)]), decode=False).latents
+    text_only = sample(unclip_model, prompts, cfg, decode=False).latents
+    zero = sample(unclip_model, prompts, cfg, composed_conditions(unclip_model, context, [(0, z), (0, g)]),
+                  decode=False).latents
     assert torch.equal(zero, text_only)
-    steered = sample(model, prompts, cfg, composed_conditions(model, context, [(2, z), (2, g)]), decode=False).latents
+    steered = sample(unclip_model, prompts, cfg, composed_conditions(unclip_model, context, [(2, z), (2, g)]),
+                     decode=False).latents
     assert not torch.allclose(steered, text_only, atol=1e-4)
 
 
-def test_composed_conditions_of_unclip_are_image_conditions(model):
-    context = model.encode_text(["a photo of a 3"] * 2).tokens
+def test_composed_conditions_of_unclip_are_image_conditions(unclip_model):
+    context = unclip_model.encode_text(["a photo of a 3"] * 2).tokens
     z = torch.randn(2, IMAGE_EMBED)
-    (cond,) = composed_conditions(model, context, [(2.0, z)])
+    (cond,) = composed_conditions(unclip_model, context, [(2.0, z)])
     assert cond.weight == 2.0 and cond.context is None
-    assert torch.allclose(cond.class_labels, model.image_condition(z))
+    assert torch.allclose(cond.class_labels, unclip_model.image_condition(z))
 
 
 def test_conditioning_must_match_the_encoder():
@@ -255,8 +212,8 @@ def test_conditioning_must_match_the_encoder():
 
 
 # ---- end to end -------------------------------------------------------------------------------------------
-def test_feddisc_one_shot_run(pipeline, cache, tmp_path):
-    cfg = config(pipeline, cache, {"name": "feddisc", **FAST}, rounds=2)
+def test_feddisc_one_shot_run(digits_config, tmp_path):
+    cfg = digits_config({"name": "feddisc", **FAST}, rounds=2)
     summary, rows, run_dir = run_tiny(tmp_path, cfg)
     first, second = rows
     assert 0.0 <= first["accuracy"] <= 1.0 and summary["accuracy_curve"] == [first["accuracy"]] * 2
@@ -279,24 +236,23 @@ def test_feddisc_one_shot_run(pipeline, cache, tmp_path):
 
 
 @pytest.mark.parametrize("ablation", [{"use_domain_features": False}, {"random_centroids": True}])
-def test_table4_ablations_run(pipeline, cache, tmp_path, ablation):
-    cfg = config(pipeline, cache, {"name": "feddisc", **FAST, "sample_grid": 0, **ablation})
+def test_table4_ablations_run(digits_config, tmp_path, ablation):
+    cfg = digits_config({"name": "feddisc", **FAST, "sample_grid": 0, **ablation})
     _, (row,), run_dir = run_tiny(tmp_path, cfg)
     assert row["generated_images"] > 0 and not (run_dir / "feddisc_samples.png").exists()
     expected_m = 1 if ablation.get("random_centroids") else 2
     assert row["privacy"]["min_samples_per_vector"] == expected_m
 
 
-def test_head_can_train_on_generated_images_and_centroids(pipeline, cache, tmp_path):
-    cfg = config(pipeline, cache, {"name": "feddisc", **FAST, "sample_grid": 0,
-                                   "head_train_set": "generated_and_centroids"})
+def test_head_can_train_on_generated_images_and_centroids(digits_config, tmp_path):
+    cfg = digits_config({"name": "feddisc", **FAST, "sample_grid": 0, "head_train_set": "generated_and_centroids"})
     _, (row,), _ = run_tiny(tmp_path, cfg)
     assert row["train_centroids"] > 0 and row["generated_images"] > 0
     assert row["head_train_samples"] == row["generated_images"] + row["train_centroids"]
 
 
-def test_one_shot_needs_every_client_in_round_one(pipeline, cache, tmp_path):
-    cfg = config(pipeline, cache, {"name": "feddisc", **FAST}, clients={"num": 2, "per_round": 1})
+def test_one_shot_needs_every_client_in_round_one(digits_config, tmp_path):
+    cfg = digits_config({"name": "feddisc", **FAST}, clients={"num": 2, "per_round": 1})
     with pytest.raises(ConfigError, match="per_round"):
         run_tiny(tmp_path, cfg)
 

@@ -2,73 +2,38 @@
 (their pieces on hand-made cases, each end to end for one or two rounds on a tiny unCLIP pipeline)."""
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fedguide.config import build_config
-from fedguide.data.sources import DATASETS
 from fedguide.guidance.shared import class_prompts, guidance_model, guidance_pixels
-from fedguide.guidance.tiny import IMAGE_EMBED, build_tiny_clip, build_tiny_pipeline
+from fedguide.guidance.tiny import IMAGE_EMBED
 from fedguide.methods._augment import strong_augment
 from fedguide.methods._frozen_encoder import head_logits, new_head, train_head
 from fedguide.methods.rscfed import distance_reweighted, head_distance, sharpen
 from fedguide.methods.semifl import confident_pseudo_labels, mixup_loss
 from fedguide.registry import ConfigError
-from tiny import run_tiny, tiny_raw
+from tiny import run_tiny
+
+
+# tiny_clip, digits_config (semi-supervised digits_domains, tiny unCLIP guidance) and cached_digits: conftest.py
+pytestmark = pytest.mark.usefixtures("cached_digits")
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    return build_tiny_pipeline(tmp_path_factory.mktemp("unclip"), seed=1, unclip=True)
-
-
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
-    return build_tiny_clip(tmp_path_factory.mktemp("clip"), seed=2)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("features")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cached_digits():
-    """digits_domains renders its images on every load; the runs of this module share one load per parameters."""
-    entry = DATASETS.get("digits_domains")
-
-    @functools.lru_cache(maxsize=4)
-    def load(key):
-        return entry.obj(entry.params.model_validate(json.loads(key)))
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(DATASETS._entries, "digits_domains",
-                   dataclasses.replace(entry, obj=lambda p: load(p.model_dump_json())))
-        yield
-
-
-def config(pipeline, cache, method: dict, rounds: int = 2, image_encoder=None):
-    guidance = {"model": str(pipeline), "feature_cache": str(cache)}
-    if image_encoder is not None:
-        guidance["image_encoder"] = str(image_encoder)
-    raw = tiny_raw({"data": {"name": "digits_domains", "image_size": 16, "per_class": 20, "fraction": 0.5},
-                    "clients": {"num": 2, "per_round": 2}, "train": {"rounds": rounds, "lr": 0.05},
-                    "guidance": guidance}, method=method)
-    raw["partition"] = {"name": "semi_supervised", "server_domain": "uci", "clients": "feature_skew"}
-    return build_config(raw)
+def config(digits_config):
+    """conftest's digits_config with these baselines' defaults: two rounds at lr 0.05."""
+    return functools.partial(digits_config, rounds=2, train={"lr": 0.05})
 
 
 # ---- zero-shot ------------------------------------------------------------------------------------------
-def test_zero_shot_is_the_encoders_text_image_similarity(pipeline, clip, cache, tmp_path):
-    cfg = config(pipeline, cache, {"name": "zero_shot"}, rounds=1, image_encoder=clip)
+def test_zero_shot_is_the_encoders_text_image_similarity(config, tiny_clip, tmp_path):
+    cfg = config({"name": "zero_shot"}, rounds=1, image_encoder=tiny_clip)
     summary, (row,), _ = run_tiny(tmp_path, cfg)
-    from fedguide.fl.engine import prepare
+    from fedguide.fl.setup import prepare
 
     splits = prepare(cfg).data.splits
     encoder = guidance_model(cfg.guidance).image_encoder
@@ -78,15 +43,15 @@ def test_zero_shot_is_the_encoders_text_image_similarity(pipeline, clip, cache, 
     assert row["bytes_up"] == 0 and row["bytes_down"] == 0  # no client takes part
 
 
-def test_zero_shot_needs_a_text_tower(pipeline, cache, tmp_path):
+def test_zero_shot_needs_a_text_tower(config, tmp_path):
     # the unCLIP pipeline's own image_encoder/ is a vision tower only
     with pytest.raises(ConfigError, match="text tower"):
-        run_tiny(tmp_path, config(pipeline, cache, {"name": "zero_shot"}, rounds=1))
+        run_tiny(tmp_path, config({"name": "zero_shot"}, rounds=1))
 
 
 # ---- fine-tuning on the centroids ---------------------------------------------------------------------------
-def test_centroid_finetune_trains_the_head_on_the_uploaded_centroids(pipeline, cache, tmp_path):
-    cfg = config(pipeline, cache, {"name": "centroid_finetune", "num_centroids": 3, "head_epochs": 20}, rounds=1)
+def test_centroid_finetune_trains_the_head_on_the_uploaded_centroids(config, tmp_path):
+    cfg = config({"name": "centroid_finetune", "num_centroids": 3, "head_epochs": 20}, rounds=1)
     _, (row,), run_dir = run_tiny(tmp_path, cfg)
     assert 0 < row["train_centroids"] <= 2 * 10 * 3  # clients × classes × L
     assert math.isfinite(row["head_train_loss"]) and row["head_train_loss"] < math.log(10)  # learned the centroids
@@ -106,8 +71,8 @@ def test_linear_head_training_fits_separable_features():
 
 
 # ---- FedAvg-sm ---------------------------------------------------------------------------------------------
-def test_fedavg_sm_runs_rounds_and_communicates_the_head(pipeline, cache, tmp_path):
-    summary, rows, _ = run_tiny(tmp_path, config(pipeline, cache, {"name": "fedavg_sm"}))
+def test_fedavg_sm_runs_rounds_and_communicates_the_head(config, tmp_path):
+    summary, rows, _ = run_tiny(tmp_path, config({"name": "fedavg_sm"}))
     head_bytes = (10 * IMAGE_EMBED + 10) * 4
     # down: head + prototypes + presence mask per client; up: head + two scalars per client
     assert rows[0]["bytes_down"] == 2 * (head_bytes + 10 * IMAGE_EMBED * 4 + 10)
@@ -128,11 +93,12 @@ def test_semifl_pieces_hand_computed():
     assert torch.allclose(mixup_loss(out, torch.tensor([0]), torch.tensor([1]), lam), expected)
 
 
-def test_semifl_runs_and_server_training_fits_the_labeled_set(pipeline, cache, tmp_path):
-    cfg = config(pipeline, cache, {"name": "semifl", "threshold": 0.3, "strong_views": 2})
+def test_semifl_runs_and_server_training_fits_the_labeled_set(config, tmp_path):
+    cfg = config({"name": "semifl", "threshold": 0.3, "strong_views": 2})
     summary, rows, run_dir = run_tiny(tmp_path, cfg)
     assert len(rows) == 2 and all(r["bytes_up"] > 0 for r in rows)
-    from fedguide.fl.engine import Experiment, prepare
+    from fedguide.fl.engine import Experiment
+    from fedguide.fl.setup import prepare
 
     ctx, method = Experiment(prepare(cfg), tmp_path / "probe", log=lambda s: None).build_context()
     method.setup()
@@ -171,11 +137,11 @@ def test_rscfed_pieces_hand_computed():
     assert w[2] < w[0] == pytest.approx(w[1])
 
 
-def test_rscfed_runs_with_persistent_teachers(pipeline, cache, tmp_path):
-    cfg = config(pipeline, cache, {"name": "rscfed", "strong_views": 2, "subset_size": 2})
+def test_rscfed_runs_with_persistent_teachers(config, tmp_path):
+    cfg = config({"name": "rscfed", "strong_views": 2, "subset_size": 2})
     summary, rows, run_dir = run_tiny(tmp_path, cfg)
     assert len(rows) == 2 and all(math.isfinite(r["client_train_loss"]) for r in rows)
-    from fedguide.fl.state import ClientStateStore
+    from fedguide.core.state import ClientStateStore
 
     state = ClientStateStore(run_dir / "client_state").get(0)
     assert state["teacher_weight"].shape == (10, IMAGE_EMBED) and state["ema_steps"] > 0

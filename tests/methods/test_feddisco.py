@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fedguide.fl.aggregation import weighted_average
+from fedguide.core.aggregation import weighted_average
 from fedguide.fl.checkpoint import load_checkpoint
-from fedguide.fl.engine import prepare
-from fedguide.fl.state import ClientStateStore
+from fedguide.fl.setup import prepare
+from fedguide.core.state import ClientStateStore
 from fedguide.methods.feddisco import FedDisco, FedDiscoParams, disco_weights, label_discrepancy
 from tiny import run_tiny, tiny_config
 

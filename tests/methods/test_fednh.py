@@ -10,8 +10,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from fedguide.config import TrainConfig
-from fedguide.fl.engine import Experiment, prepare
-from fedguide.fl.seeding import derive_seed
+from fedguide.fl.engine import Experiment
+from fedguide.fl.setup import prepare
+from fedguide.core.seeding import derive_seed
 from fedguide.methods import METHODS, ClientContext
 from fedguide.methods.fednh import (PROTOTYPE_SEED_KEY, FedNH, FedNHParams, aggregate_class_means, cosine_logits,
                                     orthogonal_prototypes, smooth_prototypes, spread_prototypes)

@@ -8,8 +8,9 @@ from safetensors import safe_open
 from torch import nn
 
 from fedguide.data.federated import ClientData
-from fedguide.fl.engine import Experiment, prepare
-from fedguide.fl.state import ClientStateStore
+from fedguide.fl.engine import Experiment
+from fedguide.fl.setup import prepare
+from fedguide.core.state import ClientStateStore
 from fedguide.methods import METHODS, ClientContext
 from fedguide.methods.fedproto import (FedProto, FedProtoParams, aggregate_prototypes, class_feature_means,
                                        nearest_prototype, prototype_loss)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedguide.fl.weights import WeightLayout
+from fedguide.core.weights import WeightLayout
 from fedguide.methods import METHODS, ClientContext
 from fedguide.methods.fedrcl import (FedRCL, FedRCLParams, divergence_penalty_per_anchor, relaxed_supcon_loss,
                                      select_levels, supcon_per_anchor)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedguide.fl.weights import WeightLayout
+from fedguide.core.weights import WeightLayout
 from fedguide.methods import METHODS, ClientContext
 from fedguide.methods.moon import Moon, MoonParams, moon_contrastive_loss
 from fedguide.models import MODELS, ModelSpec, build_model

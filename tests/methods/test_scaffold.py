@@ -10,11 +10,12 @@ from torch import nn
 
 from fedguide.config import TrainConfig
 from fedguide.fl.checkpoint import load_checkpoint
-from fedguide.fl.engine import Experiment, prepare
-from fedguide.fl.seeding import derive_seed, torch_generator
-from fedguide.fl.state import ClientStateStore
-from fedguide.fl.training import train_local
-from fedguide.fl.weights import WeightLayout
+from fedguide.fl.engine import Experiment
+from fedguide.fl.setup import prepare
+from fedguide.core.seeding import derive_seed, torch_generator
+from fedguide.core.state import ClientStateStore
+from fedguide.core.training import train_local
+from fedguide.core.weights import WeightLayout
 from fedguide.methods import ClientContext
 from fedguide.methods.scaffold import (Scaffold, ScaffoldParams, control_update, correction_term,
                                        momentum_factor, server_update)

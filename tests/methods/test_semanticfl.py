@@ -10,73 +10,27 @@ import torch
 
 from fedguide.fl.checkpoint import load_checkpoint
 from fedguide.fl.client_step import run_client
-from fedguide.fl.engine import Experiment, prepare
-from fedguide.guidance.config import GuidanceConfig
-from fedguide.guidance.shared import guidance_model
-from fedguide.guidance.tiny import build_tiny_pipeline
+from fedguide.fl.engine import Experiment
+from fedguide.fl.setup import prepare
 from fedguide.methods import ClientContext
 from fedguide.methods._diffusion_features import lookup
 from fedguide.methods.semanticfl import info_nce, kd_loss
 from fedguide.registry import ConfigError
 from tiny import Crash, crash_after, run_tiny, tiny_config, without_timing
 
-CLASSES = 10
+# conftest.py's fmnist_root: 80 training images (the capacity test's PCA limit), a vertical band per class;
+# tiny_sd and unet_calls are conftest.py's too.
+FMNIST = {"n_train": 80, "vertical": True}
 
 
 def t(rows):
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def idx_bytes(array: np.ndarray) -> bytes:
-    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
-    return header + array.astype(np.uint8).tobytes()
-
-
-def write_fmnist(folder, n_train=80, n_test=30, seed=0):
-    """Each class is a bright vertical band at its own place over dim noise."""
-    rng = np.random.default_rng(seed)
-    for images_name, labels_name, n in (("train-images-idx3-ubyte", "train-labels-idx1-ubyte", n_train),
-                                        ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte", n_test)):
-        labels = np.arange(n) % CLASSES
-        images = rng.integers(0, 40, (n, 28, 28))
-        for i, c in enumerate(labels):
-            images[i, 4:24, 2 * c + 3: 2 * c + 7] = 230
-        (folder / images_name).write_bytes(idx_bytes(images))
-        (folder / labels_name).write_bytes(idx_bytes(labels))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tiny_sd(tmp_path_factory):
-    return build_tiny_pipeline(tmp_path_factory.mktemp("tiny-sd-semanticfl"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def fmnist_root(tmp_path_factory):
-    return write_fmnist(tmp_path_factory.mktemp("fmnist-semanticfl"))
-
-
-@pytest.fixture(scope="module")
-def sd_model(tiny_sd):
-    return guidance_model(GuidanceConfig(model=str(tiny_sd)))
-
-
 def config(tiny_sd, fmnist_root, cache, model=None, **params):
     return tiny_config({"data": {"name": "fmnist", "root": str(fmnist_root)}, "model": model or {"name": "mlp"},
                         "guidance": {"model": str(tiny_sd), "feature_cache": str(cache)}, "train": {"rounds": 2}},
                        method={"name": "semanticfl", **params})
-
-
-class UNetCalls:
-    def __init__(self, unet):
-        self.calls = 0
-        self.handle = unet.register_forward_pre_hook(lambda *a: setattr(self, "calls", self.calls + 1))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.handle.remove()
 
 
 def finite_accuracy(summary):
@@ -203,11 +157,11 @@ def test_client_extraction_gives_the_server_numbers(tmp_path, tiny_sd, fmnist_ro
     assert "visual_features" not in record and "images_reach_server" not in record
 
 
-def test_features_are_computed_once(tmp_path, tiny_sd, fmnist_root, sd_model):
+def test_features_are_computed_once(tmp_path, tiny_sd, fmnist_root, unet_calls):
     cfg = config(tiny_sd, fmnist_root, tmp_path / "cache")
-    with UNetCalls(sd_model.unet) as first:
+    with unet_calls() as first:
         _, rows_a, _ = run_tiny(tmp_path, cfg, name="a")
-    with UNetCalls(sd_model.unet) as second:
+    with unet_calls() as second:
         _, rows_b, _ = run_tiny(tmp_path, cfg, name="b")
     assert first.calls > 0 and second.calls == 0
     assert [r["accuracy"] for r in rows_a] == [r["accuracy"] for r in rows_b]

@@ -7,6 +7,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from fedguide.core.seeding import numpy_rng
 from fedguide.data.partition import client_class_counts
 from fedguide.data.sources.base import DatasetSplits
 
@@ -26,7 +27,6 @@ def stratified_fraction(labels: np.ndarray, fraction: float, rng: np.random.Gene
 def public_pool(labels: np.ndarray, fraction: float, public_seed: int) -> np.ndarray:
     """The stratified public pool of ``data.public_fraction``: fixed by ``public_seed``, not the run seed, so
     every run (and the embedded guidance models' pretraining) holds out the same samples."""
-    from fedguide.fl.seeding import numpy_rng
 
     if fraction <= 0:
         return np.empty(0, np.int64)

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.registry import ConfigError, NoParams, Registry
 
-PARTITIONS = Registry("partition")
+# The domain-shift and server-labeled scenarios (scenarios.py) register themselves here too.
+PARTITIONS = Registry("partition", plugins=("fedguide.data.scenarios",))
 
 
 def _sorted(parts: list[np.ndarray]) -> list[np.ndarray]:
@@ -176,16 +177,3 @@ def client_class_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes
     for k, p in enumerate(parts):
         counts[k] = np.bincount(np.asarray(labels)[p], minlength=num_classes)[:num_classes]
     return counts
-
-
-def make_partition(
-    name: str, raw_params: dict[str, Any], labels: np.ndarray, num_clients: int, seed: int
-) -> list[np.ndarray]:
-    """The clients' index arrays of a label-only partition (see ``scenarios.make_scenario``)."""
-    from fedguide.data.scenarios import make_scenario
-
-    return make_scenario(name, raw_params, labels, num_clients, seed).clients
-
-
-# The domain-shift and server-labeled scenarios register themselves in PARTITIONS too.
-from fedguide.data import scenarios  # noqa: E402,F401

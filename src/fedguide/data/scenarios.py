@@ -210,3 +210,10 @@ def make_scenario(name: str, raw_params: dict[str, Any], labels: np.ndarray, num
             f"{num_clients} clients); use fewer clients.num or change the partition parameters"
         )
     return result
+
+
+def make_partition(
+    name: str, raw_params: dict[str, Any], labels: np.ndarray, num_clients: int, seed: int
+) -> list[np.ndarray]:
+    """The clients' index arrays of a label-only partition (see ``make_scenario``)."""
+    return make_scenario(name, raw_params, labels, num_clients, seed).clients

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fedguide.fl.atomic import write_atomic
+from fedguide.core.atomic import write_atomic
 
 FILE = "last.safetensors"
 

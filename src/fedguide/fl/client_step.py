@@ -1,41 +1,38 @@
 """One client's part of a round, the same code in the server process and in worker processes."""
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from fedguide.config import TrainConfig
-from fedguide.fl.context import RunContext
-from fedguide.fl.seeding import derive_seed, torch_generator
-from fedguide.fl.training import train_local
-from fedguide.methods.base import ClientContext, Method, Record
+from fedguide.core.records import Record
+from fedguide.core.seeding import derive_seed, torch_generator
+from fedguide.methods.base import ClientContext, Method, RunContext
 
 
 @dataclass
 class ClientResult:
     client_id: int
     upload: Record
-    loss: float
+    loss: Optional[float]  # None: the run's model took no step on this client (inference-only, one-shot)
     num_samples: int
-    fit_seconds: float  # the local training loop alone (epochs of SGD), without the upload's work
+    fit_seconds: float  # the client's whole work: Method.fit and its upload
 
 
 def run_client(ctx: RunContext, method: Method, train: TrainConfig, seed: int, round_: int, client_id: int,
                payload: Record) -> ClientResult:
-    cctx = ClientContext(client_id, round_, ctx.data.client(client_id), payload, ctx.store.get(client_id))
-    ctx.layout.load(ctx.model, method.client_start(cctx))
     # Seeds derive from (seed, round, client) alone, so any worker, in any order, draws the same numbers.
+    cctx = ClientContext(client_id, round_, ctx.data.client(client_id), payload, ctx.store.get(client_id),
+                         generator=torch_generator(seed, "client", round_, client_id))
+    ctx.layout.load(ctx.model, method.client_start(cctx))
     torch.manual_seed(derive_seed(seed, "client", round_, client_id))
     t0 = time.perf_counter()
-    loss, cctx.steps = train_local(ctx.model, method, cctx, method.local_train(train), torch_generator(seed, "client", round_, client_id))
-    if cctx.steps or math.isnan(cctx.train_loss):
-        cctx.train_loss = loss  # a method that trains outside the loop (one-shot clients) reports its own
+    loss = method.fit(ctx.model, cctx, train)
     upload = method.client_upload(ctx.model, cctx)
-    # The client's whole work: one-shot and inference-only methods do theirs in begin_local/client_upload.
     fit_seconds = time.perf_counter() - t0
     if cctx.state_dirty:
         ctx.store.put(client_id, round_, cctx.state)
-    return ClientResult(client_id, upload, cctx.train_loss, len(cctx.data), fit_seconds)
+    return ClientResult(client_id, upload, loss, len(cctx.data), fit_seconds)

@@ -1,73 +1,36 @@
-"""The round loop of the in-process runtime.
+"""The round loop, the same for every runtime.
 
-Each round: sample clients, and for each (in ascending id order) build its payload, load its start
-weights into the one live model, train, collect its upload; then aggregate, evaluate, checkpoint,
-and only then commit client state. The engine knows the Method interface, never a method's name.
+Each round: sample clients, build each one's payload, let the runtime's executor train them (in
+ascending id order of results), aggregate, evaluate, checkpoint, and only then commit client state.
+The engine knows the Method and Executor interfaces, never a method's or a runtime's name.
 """
 from __future__ import annotations
 
 import json
-import math
 import platform
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-import yaml
+from safetensors.torch import save_file
 
 import fedguide
-from fedguide.config import SECTION_KEYS, Config, build_config, to_yaml
-from fedguide.data.federated import FederatedData, public_pool, stratified_fraction
-from fedguide.data.partition import PARTITIONS
-from fedguide.data.scenarios import make_scenario
-from fedguide.data.sources import DATASETS
-from fedguide.fl.atomic import write_json, write_jsonl, write_text
+from fedguide.config import Config, to_yaml
+from fedguide.core.atomic import write_atomic, write_json, write_jsonl, write_text
+from fedguide.core.records import record_bytes
+from fedguide.core.seeding import sample_clients
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedguide.fl.context import RunContext
-from fedguide.fl.evaluation import Evaluator
-from fedguide.fl.seeding import derive_seed, numpy_rng, sample_clients
-from fedguide.fl.state import ClientStateStore
-from fedguide.fl.workers import InProcess, WorkerPool, resolve_workers
-from fedguide.fl.weights import WeightLayout
-from fedguide.methods import METHODS, Method, record_bytes
-from fedguide.methods.compose import REGULARIZERS, Composed, build_regularizers
-from fedguide.models import MODELS, build_model
+from fedguide.fl.runtimes.base import Executor, RunHandle, Runtime, runtime_of
+from fedguide.fl.setup import Prepared, open_run
+from fedguide.methods import Method, RunContext
 from fedguide.registry import ConfigError
 
 ROUND_ACCURACY_MARKS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
 # Per-round metrics that measure the machine, not the run: excluded when comparing runs for identity.
 TIMING_METRICS = frozenset({"seconds", "train_seconds", "aggregate_seconds", "eval_seconds", "client_fit_seconds"})
-
-
-def resolve(cfg: Config) -> tuple[Config, dict[str, Any]]:
-    """Validate every named section against its registry and return the config with all defaults
-    written out, plus the parsed parameter objects."""
-    raw = cfg.model_dump(mode="json")
-    regs, model_defaults = [], dict(METHODS.get(cfg.method.name).obj.model_defaults)
-    for i, spec in enumerate(cfg.regularizers):
-        spec = {"name": spec} if isinstance(spec, str) else dict(spec)
-        if "name" not in spec:
-            raise ConfigError(f"regularizers[{i}] has no name; write e.g. regularizers: [dw]")
-        name = spec.pop("name")
-        regs.append({"name": name, **REGULARIZERS.parse_params(name, spec, f"regularizers[{i}]").model_dump(mode="json")})
-        model_defaults.update(REGULARIZERS.get(name).obj.model_defaults)
-    raw["regularizers"] = regs
-    parsed = {
-        "data": DATASETS.parse_params(cfg.data.name, cfg.data.params_dict(), "data"),
-        "partition": PARTITIONS.parse_params(cfg.partition.name, cfg.partition.params_dict(), "partition"),
-        # Keys the method's paper fixes apply unless the config sets them explicitly.
-        "model": MODELS.parse_params(cfg.model.name, {**model_defaults, **cfg.model.params_dict()}, "model"),
-        "method": METHODS.parse_params(cfg.method.name, cfg.method.params_dict(), "method"),
-    }
-    for section, params in parsed.items():
-        own = ("name", *SECTION_KEYS.get(section, ()))  # the section's own keys, not the entry's params
-        raw[section] = {**{k: raw[section][k] for k in own if k in raw[section]},
-                        **params.model_dump(mode="json")}
-    return build_config(raw), parsed
 
 
 def partition_label(cfg: Config) -> str:
@@ -88,82 +51,27 @@ def git_commit() -> Optional[str]:
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-@dataclass
-class Prepared:
-    """Everything that follows from the config alone (shared by --dry-run and a real run)."""
-
-    config: Config
-    params: dict[str, Any]
-    data: FederatedData
-    method_cls: type[Method]
-
-
-def prepare(cfg: Config) -> Prepared:
-    cfg, params = resolve(cfg)
-    splits = DATASETS.get(cfg.data.name).obj(params["data"])
-    labels = splits.train_y.numpy()
-    pool = np.arange(len(labels))
-    public = public_pool(labels, cfg.data.public_fraction, cfg.data.public_seed)
-    pool = np.setdiff1d(pool, public)
-    used = pool[stratified_fraction(labels[pool], cfg.data.fraction, numpy_rng(cfg.seed, "data"))]
-    domains = splits.train_domains.numpy()[used] if splits.train_domains is not None else None
-    part = make_scenario(cfg.partition.name, cfg.partition.params_dict(), labels[used], cfg.clients.num,
-                         derive_seed(cfg.seed, "partition"), domains, splits.domain_names)
-    method_cls = METHODS.get(cfg.method.name).obj
-    if not part.clients_labeled and method_cls.needs_client_labels:
-        raise ConfigError(f"partition '{cfg.partition.name}' leaves the clients' data unlabeled, but method "
-                          f"'{cfg.method.name}' trains on client labels; choose a method for unlabeled clients "
-                          "or another partition")
-    client_indices = method_cls.federation([used[p] for p in part.clients])
-    try:  # an architecture that cannot take these inputs is a config error, found before any run dir exists
-        build_model(cfg.model.name, params["model"], splits.model_spec())
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    data = FederatedData(splits, client_indices, public_indices=public,
-                         server_indices=None if part.server is None else used[part.server],
-                         clients_labeled=part.clients_labeled)
-    return Prepared(cfg, params, data, method_cls)
-
-
 def round_line(m: dict[str, Any], rounds: int) -> str:
     loss = "—" if m["loss"] is None else f"{m['loss']:.4f}"
     return f"round {m['round']:>3}/{rounds}  acc {100 * m['accuracy']:6.2f}%  train loss {loss}  {m['seconds']:.1f} s"
 
 
 class Experiment:
+    """One run: opened with ``fl.setup``, its clients trained by ``runtime`` (default: the runtime the
+    config names, from the registry)."""
+
     def __init__(self, prepared: Prepared, run_dir: Path, log: Callable[[str], None] = print,
-                 progress: Any = None):
+                 progress: Any = None, runtime: Optional[Runtime] = None):
         self.p = prepared
         self.cfg = prepared.config
         self.run_dir = Path(run_dir)
         self.log = log
         self.progress = progress  # a rich Progress or None
+        self.runtime = runtime if runtime is not None else runtime_of(prepared)
 
-    # ---- set-up -------------------------------------------------------------------------------
     def build_context(self) -> tuple[RunContext, Method]:
-        cfg = self.cfg
-        spec = self.p.data.splits.model_spec()
-        torch.manual_seed(derive_seed(cfg.seed, "model"))
-        model = build_model(cfg.model.name, self.p.params["model"], spec)
-        layout = WeightLayout.of(model)
-        ctx = RunContext(
-            config=cfg,
-            data=self.p.data,
-            model=model,
-            make_model=lambda: build_model(cfg.model.name, self.p.params["model"], spec),
-            layout=layout,
-            initial_weights=layout.flatten(model),
-            evaluator=Evaluator(model, layout, self.p.data.splits.test_x, self.p.data.splits.test_y,
-                                cfg.train.eval_batch_size, self.p.data.splits.test_domains,
-                                self.p.data.splits.domain_names),
-            store=ClientStateStore(self.run_dir / "client_state"),
-            server_store=ClientStateStore(self.run_dir / "server_state"),
-            run_dir=self.run_dir,
-        )
-        method = self.p.method_cls(self.p.params["method"], ctx)
-        if cfg.regularizers:
-            method = Composed(method, build_regularizers(cfg.regularizers, ctx))
-        return ctx, method
+        """The run context and method of this run, not set up (``fl.setup.open_run``)."""
+        return open_run(self.p, self.run_dir)
 
     def _write_static(self) -> None:
         cfg = self.cfg.model_copy(deep=True)
@@ -188,32 +96,13 @@ class Experiment:
         return record
 
     # ---- the loop -----------------------------------------------------------------------------
-    def make_clients(self, ctx, method, workers: int):
-        """The executor that trains a round's clients (a deployment overrides this with its SuperNodes)."""
-        if self.cfg.runtime.name == "flower":
-            raise ConfigError("runtime.name=flower runs on a Flower deployment: start 'fedguide serve CONFIG' and "
-                              "one 'fedguide client --partition-id I CONFIG' per client (README \"Running on "
-                              "several machines\")")
-        if self.cfg.runtime.name == "flower-sim":
-            from fedguide.fl.flower import FlowerClients
-
-            clients = FlowerClients(self.cfg, self.run_dir, ctx.num_clients)
-            torch.set_num_threads(clients.threads)  # the server evaluates with the actors' thread count
-            self.workers, self.threads = clients.actors, clients.threads
-            return clients
-        if workers > 1:
-            return WorkerPool(self.p, self.run_dir, workers, self.threads, ctx.layout.numel)
-        return InProcess(ctx, method, self.cfg)
-
     def run(self, resume: bool = False) -> dict[str, Any]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        ctx, method = self.build_context()
-        workers, threads = resolve_workers(self.cfg.runtime, min(self.cfg.clients.per_round, ctx.num_clients),
-                                           ctx.layout.numel)
-        # The server evaluates with the workers' thread count too: results then do not depend on how
-        # many workers trained the clients.
+        ctx, method = open_run(self.p, self.run_dir)
+        # The server sets up and evaluates with the clients' thread count: results then do not depend on
+        # how many processes trained the clients.
+        _, threads = self.runtime.resources(min(self.cfg.clients.per_round, ctx.num_clients), ctx.layout.numel)
         torch.set_num_threads(threads)
-        self.workers, self.threads = workers, threads
         ckpt = load_checkpoint(self.run_dir / "checkpoints") if resume else None
         if ckpt is None:
             self._write_static()
@@ -226,16 +115,17 @@ class Experiment:
                                   "partition.json (the code or data changed); start a new run instead")
             method.setup()
             method.load_server_state(ckpt.method_state)
-            ctx.store.recover(ckpt.round)
-            ctx.server_store.recover(ckpt.round)
             global_w, metrics, start, wall0 = ckpt.global_weights, ckpt.metrics, ckpt.round + 1, ckpt.wall_seconds
             write_jsonl(self.run_dir / "metrics.jsonl", metrics)
             self.log(f"resuming {self.run_dir} after round {ckpt.round}")
         rounds = self.cfg.train.rounds
         t_run = time.perf_counter()
         task = self.progress.add_task("rounds", total=rounds, completed=start - 1) if self.progress else None
-        clients = self.make_clients(ctx, method, workers)
+        clients = self.runtime.start(RunHandle(self.p, ctx, method, self.run_dir, self.log, ckpt))
         try:
+            if ckpt is not None:  # the executor may have moved client state elsewhere (ctx.store)
+                ctx.store.recover(ckpt.round)
+                ctx.server_store.recover(ckpt.round)
             for r in range(start, rounds + 1):
                 global_w, m = self._round(r, ctx, method, clients, global_w)
                 metrics.append(m)
@@ -248,11 +138,11 @@ class Experiment:
                 self.log(round_line(m, rounds))
                 if task is not None:
                     self.progress.update(task, advance=1)
+            return self._finish(ctx, clients, global_w, metrics, wall0 + time.perf_counter() - t_run)
         finally:
             clients.close()
-        return self._finish(ctx, global_w, metrics, wall0 + time.perf_counter() - t_run)
 
-    def _round(self, r: int, ctx: RunContext, method: Method, clients, global_w: torch.Tensor):
+    def _round(self, r: int, ctx: RunContext, method: Method, clients: Executor, global_w: torch.Tensor):
         cfg = self.cfg
         t0 = time.perf_counter()
         chosen = sample_clients(cfg.seed, r, ctx.num_clients, min(cfg.clients.per_round, ctx.num_clients))
@@ -261,9 +151,9 @@ class Experiment:
         results = clients.run_round(r, jobs, global_w)
         uploads = [{**res.upload, "client_id": res.client_id} for res in results]
         up = sum(record_bytes(res.upload) for res in results)
-        # Inference-only clients (FedDISC, zero-shot) train nothing and report no loss (NaN): the round's
-        # train loss is the mean over the clients that trained, null when none did (never NaN in the JSON).
-        trained = [res for res in results if math.isfinite(res.loss)]
+        # The round's train loss is the mean over the clients whose fit trained the run's model (inference-only
+        # clients report None), null when none did.
+        trained = [res for res in results if res.loss is not None]
         n_sum = sum(res.num_samples for res in trained)
         loss = sum(res.loss * res.num_samples for res in trained) / max(n_sum, 1) if trained else None
         t_train = time.perf_counter()
@@ -276,13 +166,11 @@ class Experiment:
              "eval_seconds": t_eval - t_agg, "client_fit_seconds": sum(res.fit_seconds for res in results),
              "bytes_up": up, "bytes_down": down, "clients": chosen}
         m.update({k: v for k, v in evaluation.items() if k != "accuracy"})
+        m.update(clients.round_metrics(r))
         return global_w, m
 
-    def _finish(self, ctx: RunContext, global_w: torch.Tensor, metrics: list[dict], wall: float) -> dict[str, Any]:
-        from safetensors.torch import save_file
-
-        from fedguide.fl.atomic import write_atomic
-
+    def _finish(self, ctx: RunContext, clients: Executor, global_w: torch.Tensor, metrics: list[dict],
+                wall: float) -> dict[str, Any]:
         ctx.layout.load(ctx.model, global_w)
         state = {k: v.contiguous() for k, v in ctx.model.state_dict().items()}
         write_atomic(self.run_dir / "model.safetensors", lambda tmp: save_file(state, tmp))
@@ -309,18 +197,11 @@ class Experiment:
                                    for a in ROUND_ACCURACY_MARKS},
             "wall_seconds": wall,
             "mean_round_seconds": float(np.mean([m["seconds"] for m in metrics])),
-            "workers": self.workers,
-            "threads_per_worker": self.threads,
+            "workers": clients.workers,
+            "threads_per_worker": clients.threads,
             "bytes_up_total": int(sum(m["bytes_up"] for m in metrics)),
             "bytes_down_total": int(sum(m["bytes_down"] for m in metrics)),
         }
+        summary.update(clients.finish(metrics))
         write_json(self.run_dir / "summary.json", summary)
         return summary
-
-
-def load_run_config(run_dir: Path) -> Config:
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise ConfigError(f"{run_dir} is not a fedguide run directory (no config.yaml); "
-                          "pass the folder a 'fedguide run' created")
-    return build_config(yaml.safe_load(path.read_text()))

@@ -58,7 +58,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from fedguide.fl.atomic import write_atomic
+from fedguide.core.atomic import write_atomic
 from fedguide.registry import ConfigError
 
 POOLS = ("mean", "l2")

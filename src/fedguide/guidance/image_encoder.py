@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from fedguide.guidance.sources import MODEL_FILES, GuidanceLoadError, resolve_source
 from fedguide.registry import ConfigError
 
 # OpenAI CLIP's preprocessing statistics, used when a checkpoint ships no preprocessor_config.json.
@@ -80,8 +81,6 @@ def _stats(folder: Path) -> tuple[tuple[float, ...], tuple[float, ...]]:
 
 def load_image_encoder(source: str, revision: str | None, device: torch.device, dtype: torch.dtype) -> ClipImageEncoder:
     from transformers import AutoConfig, AutoTokenizer, CLIPModel, CLIPVisionModelWithProjection
-
-    from fedguide.guidance.loading import MODEL_FILES, GuidanceLoadError, resolve_source
 
     folder = resolve_source(source, revision, allow=MODEL_FILES)
     try:

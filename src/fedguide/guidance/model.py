@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from fedguide.guidance.components import load_components
 from fedguide.registry import ConfigError
 
 
@@ -63,9 +64,8 @@ class GuidanceModel:
 
     @classmethod
     def from_config(cls, cfg) -> "GuidanceModel":
-        from fedguide.guidance.loading import load_guidance
-
-        return load_guidance(cfg)
+        """The model a GuidanceConfig describes (``loading.load_guidance`` is the same call)."""
+        return cls(**load_components(cfg))
 
     def _frozen(self, module):
         # Cast only when needed: diffusers warns on a dtype cast of a model loaded in its dtype.

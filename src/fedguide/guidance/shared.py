@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from fedguide.guidance.config import GuidanceConfig
+from fedguide.config import GuidanceConfig
 from fedguide.guidance.store import FeatureStore
 
 PROMPT = "a photo of a {}"

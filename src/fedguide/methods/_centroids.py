@@ -47,7 +47,8 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedguide.fl.seeding import derive_seed, torch_generator
+from fedguide.core.atomic import write_json
+from fedguide.core.seeding import derive_seed, torch_generator
 from fedguide.methods._frozen_encoder import (FrozenFeatures, class_prototypes, head_from_state, head_metrics,
                                              head_state, labeled_set, new_head, pseudo_labels, train_head)
 from fedguide.methods.base import Method
@@ -242,10 +243,8 @@ class CentroidOneShot(Method):
     def client_start(self, ctx):
         return self.run.initial_weights  # the engine's model is not used by this method
 
-    def local_train(self, train):
-        # Inference only: zero optimiser steps of the engine's loop (the config validator asks for >= 1, so
-        # the copy is made without validation).
-        return train.model_copy(update={"local_steps": 0})
+    def fit(self, model, ctx, train):
+        return None  # inference only: the client's work is its upload (pseudo-labels, centroids, noise)
 
     def client_upload(self, model, ctx):
         if "prototypes" not in ctx.payload:
@@ -300,7 +299,6 @@ class CentroidOneShot(Method):
                               self.params.noise_level)
 
     def _write_privacy(self) -> None:
-        from fedguide.fl.atomic import write_json
 
         write_json(self.run.run_dir / "privacy.json", self.privacy())
 

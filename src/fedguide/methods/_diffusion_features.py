@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from fedguide.fl.atomic import write_json
+from fedguide.core.atomic import write_json
 from fedguide.guidance.condition import inject
 from fedguide.guidance.features import DiffusionFeatures, sample_noise
 from fedguide.guidance.progress import progress

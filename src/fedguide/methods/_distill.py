@@ -26,6 +26,7 @@ from typing import Callable, Literal, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from fedguide.core.training import has_batchnorm
 from fedguide.registry import ConfigError
 
 Aggregation = Literal["ft", "md", "sd"]
@@ -86,7 +87,6 @@ def fit(model: torch.nn.Module, n: int, batch_loss: Callable[[torch.nn.Module, t
     ``steps`` steps (one of the two); returns the mean loss."""
     if (epochs is None) == (steps is None):
         raise ValueError("give epochs or steps")
-    from fedguide.fl.training import has_batchnorm
 
     min_batch = 2 if has_batchnorm(model) else 1
     if n < min_batch:

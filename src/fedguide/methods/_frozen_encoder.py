@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedguide.core.aggregation import weighted_average
+from fedguide.core.seeding import numpy_rng
 from fedguide.registry import ConfigError
 
 EMBED_BATCH = 256
@@ -47,7 +49,6 @@ def labeled_set(run, unheld_per_class: int = 100) -> tuple[np.ndarray, str]:
         return np.asarray(data.server_indices, dtype=np.int64), "scenario"
     if len(data.public_indices):
         return np.asarray(data.public_indices, dtype=np.int64), "public"
-    from fedguide.fl.seeding import numpy_rng
 
     labels = data.splits.train_y.numpy()
     held = np.concatenate([np.asarray(c, dtype=np.int64) for c in data.client_indices])
@@ -134,7 +135,7 @@ class FrozenFeatures:
             if source is None:
                 self._encoder_id = self.model.model_id
             else:
-                from fedguide.guidance.loading import MODEL_FILES, fingerprint, resolve_source
+                from fedguide.guidance.sources import MODEL_FILES, fingerprint, resolve_source
 
                 # the folder, or the hub snapshot the encoder was loaded from (its commit names the weights)
                 self._encoder_id = fingerprint(resolve_source(source, None, allow=MODEL_FILES), source)
@@ -247,7 +248,6 @@ def head_from_state(state: dict[str, torch.Tensor], owner: str) -> Optional[Head
 
 
 def average_heads(heads: Sequence[Head], weights: Sequence[float]) -> Head:
-    from fedguide.fl.aggregation import weighted_average
 
     return {k: weighted_average([h[k] for h in heads], weights) for k in ("weight", "bias")}
 

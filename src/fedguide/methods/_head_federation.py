@@ -5,8 +5,8 @@ a linear classifier ... we freeze the pre-trained CLIP and only fine-tune the ad
 The global model is the head {weight [C, D], bias [C]} on f = B·E(x)/‖E(x)‖ (see _frozen_encoder); it is
 kept in the server state, sent as ``head_weight``/``head_bias`` and uploaded back with an aggregation
 weight (``num_samples``) and the client's mean training loss (``train_loss``, reported as
-``client_train_loss``). The engine's own model and local loop are not used (zero local steps); each client
-trains the head on its cached features with the ``train`` section's optimiser settings (``lr``,
+``client_train_loss``). The run's own model and the default local loop are not used: ``fit`` trains
+the head on its cached features with the ``train`` section's optimiser settings (``lr``,
 ``momentum``, ``weight_decay``, ``batch_size``, ``epochs``; ``local_steps`` does not apply). Evaluation:
 encoder + global head on the test set.
 """
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedguide.fl.seeding import derive_seed, torch_generator
+from fedguide.core.seeding import derive_seed, torch_generator
 from fedguide.methods._frozen_encoder import (FrozenFeatures, Head, average_heads, class_prototypes,
                                              head_from_state, head_metrics, head_state, labeled_set, new_head, train_head)
 from fedguide.methods.base import ClientContext, Method
@@ -79,10 +79,18 @@ class HeadFederation(Method):
     def client_start(self, ctx):
         return self.run.initial_weights  # the engine's model is not used
 
-    def local_train(self, train):
-        # Clients train the head themselves (client_upload); the engine's loop takes zero steps (the config
-        # validator asks for >= 1, so the copy is made without validation).
-        return train.model_copy(update={"local_steps": 0})
+    def fit(self, model, ctx, train):
+        # The client trains the received head on its frozen-encoder features; the run's live model takes no
+        # step (its loss stays out of the round's ``loss``; the head's is ``client_train_loss``).
+        self.trained_head(ctx)
+        return None
+
+    def trained_head(self, ctx: ClientContext) -> tuple[Head, float, float]:
+        """This round's (trained head, mean loss, aggregation weight), trained once per round."""
+        if "head" not in ctx.scratch:
+            head = {"weight": ctx.payload["head_weight"], "bias": ctx.payload["head_bias"]}
+            ctx.scratch["head"] = self.client_train(head, ctx)
+        return ctx.scratch["head"]
 
     def client_features(self, ctx: ClientContext) -> torch.Tensor:
         return self.features.train(ctx.data.indices.numpy())
@@ -95,8 +103,7 @@ class HeadFederation(Method):
         raise NotImplementedError
 
     def client_upload(self, model, ctx):
-        head = {"weight": ctx.payload["head_weight"], "bias": ctx.payload["head_bias"]}
-        trained, loss, weight = self.client_train(head, ctx)
+        trained, loss, weight = self.trained_head(ctx)
         return {"head_weight": trained["weight"], "head_bias": trained["bias"], "num_samples": weight,
                 "train_loss": loss}
 

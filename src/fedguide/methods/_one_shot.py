@@ -25,13 +25,11 @@ Decisions:
 - Heterogeneous architectures (``client_models``): an entry equal to the config's model (same name
   and parameters) starts from the run's initial weights, the global model's own initialisation;
   another architecture from the seed derived from (run seed, its position in the list).
-- Where the clients train: in ``begin_local``, with the engine's own loop (``fl.training.train_local``,
-  plain cross-entropy) on a model of the client's own architecture. The engine's loop then takes a
-  single step whose loss has no parameter in its graph, so the live model receives no gradient and no
-  update. The engine trains one live model of the global architecture and its local settings cannot
-  depend on the round; this keeps both heterogeneous clients and "train in round 1 only" inside the
-  Method interface. The round's reported train loss is the mean loss of the clients' convergence
-  training (0 where a client did not train: idle rounds, SD_Gen without teachers).
+- Where the clients train: ``fit`` trains a model of the client's own architecture with the default
+  local loop (``core.training.train_local``, plain cross-entropy) in round 1; the run's live model
+  takes no step. This keeps both heterogeneous clients and "train in round 1 only" inside the Method
+  interface. The round's reported train loss is the mean loss of the clients' convergence training
+  (null where no client trained: idle rounds, SD_Gen without teachers).
 - Server-side randomness (the global model's training order) comes from streams derived from the run
   seed (``server_generator``), like every other stream of a run.
 - Metrics of round 1 add what the server did (images generated, images/s, ...), the mean test
@@ -48,9 +46,10 @@ from typing import Any, Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from fedguide.fl.evaluation import Evaluator
-from fedguide.fl.seeding import derive_seed, torch_generator
-from fedguide.fl.weights import WeightLayout
+from fedguide.core.evaluation import Evaluator
+from fedguide.core.seeding import derive_seed, torch_generator
+from fedguide.core.training import train_local
+from fedguide.core.weights import WeightLayout
 from fedguide.methods.base import Method
 from fedguide.models import MODELS, build_model
 from fedguide.models.split import SplitModel
@@ -191,24 +190,18 @@ class OneShotMethod(Method):
         return {}
 
     def client_start(self, ctx):
-        return self.run.initial_weights  # the live model's start; it takes no step (local_train)
+        return self.run.initial_weights  # the live model's start; it takes no step (fit)
 
-    def local_train(self, train):
-        # The engine's loop takes no step: each client trains its own (possibly other) architecture in
-        # begin_local, which the engine calls before its loop.
-        return train.model_copy(update={"local_steps": 0})
-
-    def begin_local(self, model, ctx):
+    def fit(self, model, ctx, train):
+        # Each client trains its own (possibly other) architecture with the local loop; the run's live
+        # model takes no step.
         if ctx.round != 1 or not self.clients_train:
-            return
-        from fedguide.fl.training import train_local
-
+            return None
         own = self.build_client_model(ctx.client_id)
-        train = self.run.config.train.model_copy(update={"epochs": self.params.local_epochs, "local_steps": None})
-        loss, _ = train_local(own, Method(NoParams(), self.run), ctx, train,
-                              torch_generator(self.run.config.seed, "client", ctx.round, ctx.client_id))
+        train = train.model_copy(update={"epochs": self.params.local_epochs, "local_steps": None})
+        loss, _ = train_local(own, Method(NoParams(), self.run), ctx, train, ctx.generator)
         ctx.scratch["one_shot_model"] = own
-        ctx.train_loss = loss
+        return loss
 
     def client_upload(self, model, ctx):
         upload: dict[str, Any] = {"num_samples": len(ctx.data)}

@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from fedguide.fl.atomic import write_atomic, write_json
+from fedguide.core.atomic import write_atomic, write_json
 from fedguide.registry import ConfigError
 
 FOLDER = "synthetic"

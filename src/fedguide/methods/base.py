@@ -1,64 +1,29 @@
 """The Method interface: a few hooks around a fixed round loop (in the spirit of Flower's Strategy).
 
 A method overrides only what differs from FedAvg. Server-side hooks: ``setup``, ``server_payload``,
-``aggregate``, ``evaluate``; client-side hooks: ``client_start``, ``begin_local``, ``local_loss``,
+``aggregate``, ``evaluate``; client-side hooks: ``client_start``, ``fit`` (the client's training: by
+default the local loop below, which calls ``begin_local``, ``local_loss`` and ``after_backward``),
 ``client_upload``. Payloads and uploads are plain records (dicts of tensors and scalars) so the same
 method runs in-process and across a network.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel
 
-from fedguide.fl.aggregation import sample_weighted_average
+from fedguide.core.aggregation import sample_weighted_average
+from fedguide.core.records import Record, record_bytes  # noqa: F401  (part of the method author's API)
+from fedguide.core.training import train_local
+from fedguide.methods.context import ClientContext, RunContext  # noqa: F401  (likewise)
 from fedguide.registry import NoParams, Registry
 
 if TYPE_CHECKING:
     from fedguide.config import TrainConfig
-    from fedguide.data.federated import ClientData
-    from fedguide.fl.context import RunContext
     from fedguide.models.split import SplitModel
-
-Record = dict[str, Any]
-
-
-def record_bytes(record: Record) -> int:
-    """Bytes a record occupies on the wire: tensor payloads, plus 8 bytes per scalar."""
-    total = 0
-    for v in record.values():
-        if isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size()
-        elif isinstance(v, dict):
-            total += record_bytes(v)
-        else:
-            total += 8
-    return total
-
-
-@dataclass
-class ClientContext:
-    """What a client sees during one round: its data, the server's payload, and its own state."""
-
-    client_id: int
-    round: int
-    data: "ClientData"
-    payload: Record
-    state: dict[str, Any]
-    scratch: dict[str, Any] = field(default_factory=dict)  # per-round, never persisted
-    state_dirty: bool = False
-    steps: int = 0  # optimiser steps taken in this round's local training (set after training)
-    # Global sample indices of the batch ``local_loss`` is called with (per-sample cached features).
-    batch_indices: Any = None
-    train_loss: float = float("nan")
-
-    def update_state(self, **values: Any) -> None:
-        self.state.update(values)
-        self.state_dirty = True
 
 
 class Method:
@@ -100,6 +65,16 @@ class Method:
     def client_start(self, ctx: ClientContext) -> torch.Tensor:
         """The weights local training starts from."""
         return ctx.payload["weights"]
+
+    def fit(self, model: "SplitModel", ctx: ClientContext, train: "TrainConfig") -> Optional[float]:
+        """The client's training of ``model`` (the run's live model, holding ``client_start``'s weights);
+        returns the mean training loss, or None when the run's model took no step (the round's ``loss``
+        is then the mean over the clients that trained). The default is the local loop: epochs (or
+        ``train.local_steps`` steps) of ``local_loss`` with ``local_train(train)``'s settings. Methods
+        that train differently (one-shot clients training their own architectures, frozen-encoder heads,
+        inference-only clients) override this instead of switching the loop off."""
+        loss, ctx.steps = train_local(model, self, ctx, self.local_train(train), ctx.generator)
+        return loss if ctx.steps else None
 
     def begin_local(self, model: "SplitModel", ctx: ClientContext) -> None:
         """After the start weights are loaded, before the first step (cache anchors in ctx.scratch)."""

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedguide.fl.aggregation import sample_weighted_average
+from fedguide.core.aggregation import sample_weighted_average
 from fedguide.methods.base import METHODS, Method
 
 _CHUNK = 1 << 16  # Gram columns per step: bounds the float64 working copy to |candidates|·64k values

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedguide.fl.aggregation import sample_weighted_average
+from fedguide.core.aggregation import sample_weighted_average
 from fedguide.methods._distill import distillation_loss, fit, mean_logit_targets, predict_logits
 from fedguide.methods._one_shot import OneShotMethod, OneShotParams, server_generator
 from fedguide.methods.base import METHODS

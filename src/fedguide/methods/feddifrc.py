@@ -59,7 +59,8 @@ Decisions (SPEC "FedDifRC"; each is an option, default first)
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Callable, Literal, Optional, Union
 
 import numpy as np
 import torch
@@ -71,12 +72,16 @@ from fedguide.guidance.features import DiffusionFeatures, FeatureSpec
 from fedguide.guidance.fused import FusedFeatures, layer_dims
 from fedguide.guidance.hooks import decoder_layer
 from fedguide.guidance.shared import PROMPT, class_prompts, feature_store, guidance_model
+from fedguide.guidance.store import FeatureKey, FeatureStore
 from fedguide.methods._diffusion_features import (GuidanceRecord, RowLookup, block_channels, cached_features,
                                                   digest, feature_key, fit_basis, fit_sample, guidance_images,
                                                   in_batches, lookup, prompt_maps, prompt_vectors, timed,
                                                   training_rows)
 from fedguide.methods.base import METHODS, Method
 from fedguide.registry import ConfigError
+
+if TYPE_CHECKING:
+    from fedguide.guidance.model import GuidanceModel
 
 SIMILAR_PROMPT = "a photo of a similar object"
 VISUAL_PROMPT = "a photo of a visual object"
@@ -213,6 +218,20 @@ def max_halving_dim(channels: list[int], limit: int) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class _Extraction:
+    """What setup's steps share: the guidance model and store, the run's guidance record, whether to rebuild,
+    the decoder layers, the training samples the features are cached for and the bases' fit sample."""
+    model: GuidanceModel
+    store: FeatureStore
+    record: GuidanceRecord
+    rebuild: bool
+    layers: tuple[str, ...]
+    rows: np.ndarray
+    fit_idx: np.ndarray
+    fit_desc: dict
+
+
 @METHODS.register("feddifrc", params=FedDifRCParams)
 class FedDifRC(Method):
     """FedDifRC: CE + TDCL (conditional diffusion features) + NDCR (denoising diffusion features), FedAvg."""
@@ -271,68 +290,105 @@ class FedDifRC(Method):
         return self.run.data.splits.train_y[torch.as_tensor(indices, dtype=torch.long)].unsqueeze(1)
 
     def setup(self):
-        p, run = self.params, self.run
+        p = self.params
         if not (p.tdcl or p.ndcr):
             return  # plain cross-entropy: nothing to extract
+        ex = self._open_guidance()
+        if p.tdcl:
+            self._build_tdcl(ex)
+            self._fit_or_load_basis(ex, "tdcl", self.tdcl_feats, self.tdcl_prompts, self.tdcl_tokens)
+            if self.refresh == "never":
+                self._tdcl = self._cache_tdcl(ex)
+        if p.ndcr:
+            tokens = self._build_ndcr(ex)
+            self._fit_or_load_basis(ex, "ndcr", self.ndcr_feats, self.ndcr_prompts, tokens)
+            self._ndcr = self._cache_ndcr(ex, tokens)
+        ex.record.write()
+
+    def _open_guidance(self) -> _Extraction:
+        """Loads the guidance model and feature store, settles the fused dims and draws the bases' fit sample,
+        noting each in the run's guidance record."""
+        p, run = self.params, self.run
         cfg = run.config
         model, store = guidance_model(cfg.guidance), feature_store(cfg.guidance)
         record = GuidanceRecord(run, "feddifrc")
         rebuild = cfg.guidance.rebuild and record.first
         layers = tuple(decoder_layer(level) for level in p.layers)
-        self._check_capacity(model, layers)
-        if self.fused_dim < self.z_dim:
-            self.lift = orthonormal_lift(self.fused_dim, self.z_dim, p.seed)
-        record.note("fused_dim", self.fused_dim)
+        self._settle_fused_dim(model, layers, record)
         rows = training_rows(run)
         self._rows = RowLookup(rows)
         fit_idx, fit_source = fit_sample(run, p.fit_samples, p.seed)
         record.note("basis_fit", fit_source, f"FedDifRC: PCA bases fitted on {fit_source}")
         record.note("condition_refresh", self.refresh)
         fit_desc = {"data": cfg.data.model_dump(mode="json"), "samples": digest(fit_idx), "count": int(len(fit_idx))}
+        return _Extraction(model, store, record, rebuild, layers, rows, fit_idx, fit_desc)
 
-        def fit_batches(feats, tokens):
-            return lambda: (prompt_maps(feats, guidance_images(run, b), b, tokens, self._positive_ids(b))
-                            for b in in_batches(fit_idx, p.extract_batch))
+    def _settle_fused_dim(self, model: GuidanceModel, layers: tuple[str, ...], record: GuidanceRecord) -> None:
+        """Checks the layers can give the fused dims (settling ``auto``) and builds the lift when they are fewer."""
+        self._check_capacity(model, layers)
+        if self.fused_dim < self.z_dim:
+            self.lift = orthonormal_lift(self.fused_dim, self.z_dim, self.params.seed)
+        record.note("fused_dim", self.fused_dim)
 
-        if p.tdcl:
-            mode = "none" if self.refresh == "never" else p.condition_mode
-            cmap = ConditionMap(self.z_dim, model.context_dim, p.seed) if mode != "none" else None
-            spec = FeatureSpec(layers, t=0, noise_seed=p.seed, condition_mode=mode, extra={"role": "tdcl"})
-            self.tdcl_feats = DiffusionFeatures(model, spec, self._recipe(layers), cmap)
-            self.tdcl_tokens = model.encode_text(tuple(self.tdcl_prompts)).tokens
-            fitted = fit_basis(self.tdcl_feats, "feddifrc_tdcl", run, store, {**fit_desc, "prompts": self.tdcl_prompts},
-                               fit_batches(self.tdcl_feats, self.tdcl_tokens), len(fit_idx), rebuild)
-            record.note("tdcl_basis_fitted", fitted)
-            if self.refresh == "never":
-                key = feature_key(self.tdcl_feats, run, rows, prompts=self.tdcl_prompts, per_sample="every prompt")
-                every = torch.arange(len(self.tdcl_prompts))
+    def _build_tdcl(self, ex: _Extraction) -> None:
+        """TDCL's recipe at t = 0 (with the condition map when refreshed per round) and its prompts' tokens."""
+        p = self.params
+        mode = "none" if self.refresh == "never" else p.condition_mode
+        cmap = ConditionMap(self.z_dim, ex.model.context_dim, p.seed) if mode != "none" else None
+        spec = FeatureSpec(ex.layers, t=0, noise_seed=p.seed, condition_mode=mode, extra={"role": "tdcl"})
+        self.tdcl_feats = DiffusionFeatures(ex.model, spec, self._recipe(ex.layers), cmap)
+        self.tdcl_tokens = ex.model.encode_text(tuple(self.tdcl_prompts)).tokens
 
-                def tdcl_rows(b):
-                    return prompt_vectors(self.tdcl_feats, guidance_images(run, b), b, self.tdcl_tokens,
-                                          every.expand(len(b), -1))
+    def _build_ndcr(self, ex: _Extraction) -> torch.Tensor:
+        """NDCR's recipe at the noise timestep t; returns its prompts' tokens."""
+        p = self.params
+        spec = FeatureSpec(ex.layers, t=p.t, noise_seed=p.seed, extra={"role": "ndcr"})
+        self.ndcr_feats = DiffusionFeatures(ex.model, spec, self._recipe(ex.layers))
+        return ex.model.encode_text(tuple(self.ndcr_prompts)).tokens
 
-                self._tdcl, seconds = timed(lambda: cached_features(
-                    store, key, rows, tdcl_rows, p.extract_batch, rebuild, "FedDifRC conditional features"))
-                record.note("tdcl_features", {"folder": str(store.path(key)), "seconds": round(seconds, 3),
-                                              "shape": list(self._tdcl.shape)})
-        if p.ndcr:
-            spec = FeatureSpec(layers, t=p.t, noise_seed=p.seed, extra={"role": "ndcr"})
-            self.ndcr_feats = DiffusionFeatures(model, spec, self._recipe(layers))
-            tokens = model.encode_text(tuple(self.ndcr_prompts)).tokens
-            fitted = fit_basis(self.ndcr_feats, "feddifrc_ndcr", run, store, {**fit_desc, "prompts": self.ndcr_prompts},
-                               fit_batches(self.ndcr_feats, tokens), len(fit_idx), rebuild)
-            record.note("ndcr_basis_fitted", fitted)
-            key = feature_key(self.ndcr_feats, run, rows, prompts=self.ndcr_prompts,
-                              per_sample="visual object" if p.self_supervised else "true class")
+    def _fit_or_load_basis(self, ex: _Extraction, role: str, feats: DiffusionFeatures, prompts: list[str],
+                           tokens: torch.Tensor) -> None:
+        """Fits the role's PCA basis on the fit sample, each image under its positive prompt (or loads it)."""
+        run, batch = self.run, self.params.extract_batch
 
-            def ndcr_rows(b):
-                return prompt_vectors(self.ndcr_feats, guidance_images(run, b), b, tokens, self._positive_ids(b))[:, 0]
+        def batches():
+            return (prompt_maps(feats, guidance_images(run, b), b, tokens, self._positive_ids(b))
+                    for b in in_batches(ex.fit_idx, batch))
 
-            self._ndcr, seconds = timed(lambda: cached_features(
-                store, key, rows, ndcr_rows, p.extract_batch, rebuild, "FedDifRC denoising features"))
-            record.note("ndcr_features", {"folder": str(store.path(key)), "seconds": round(seconds, 3),
-                                          "shape": list(self._ndcr.shape)})
-        record.write()
+        fitted = fit_basis(feats, f"feddifrc_{role}", run, ex.store, {**ex.fit_desc, "prompts": prompts}, batches,
+                           len(ex.fit_idx), ex.rebuild)
+        ex.record.note(f"{role}_basis_fitted", fitted)
+
+    def _cache_tdcl(self, ex: _Extraction) -> np.ndarray:
+        """F̃ of every training sample under every TDCL prompt, without the model condition, computed once."""
+        run, every = self.run, torch.arange(len(self.tdcl_prompts))
+        key = feature_key(self.tdcl_feats, run, ex.rows, prompts=self.tdcl_prompts, per_sample="every prompt")
+
+        def tdcl_rows(b):
+            return prompt_vectors(self.tdcl_feats, guidance_images(run, b), b, self.tdcl_tokens,
+                                  every.expand(len(b), -1))
+
+        return self._cached(ex, key, tdcl_rows, "FedDifRC conditional features", "tdcl_features")
+
+    def _cache_ndcr(self, ex: _Extraction, tokens: torch.Tensor) -> np.ndarray:
+        """H̃ of every training sample under its NDCR prompt (true class or visual object), computed once."""
+        run = self.run
+        key = feature_key(self.ndcr_feats, run, ex.rows, prompts=self.ndcr_prompts,
+                          per_sample="visual object" if self.params.self_supervised else "true class")
+
+        def ndcr_rows(b):
+            return prompt_vectors(self.ndcr_feats, guidance_images(run, b), b, tokens, self._positive_ids(b))[:, 0]
+
+        return self._cached(ex, key, ndcr_rows, "FedDifRC denoising features", "ndcr_features")
+
+    def _cached(self, ex: _Extraction, key: FeatureKey, compute_rows: Callable[[np.ndarray], torch.Tensor],
+                description: str, note: str) -> np.ndarray:
+        """The store's features of ``key`` (computed once, timed); notes their folder, seconds and shape."""
+        features, seconds = timed(lambda: cached_features(
+            ex.store, key, ex.rows, compute_rows, self.params.extract_batch, ex.rebuild, description))
+        ex.record.note(note, {"folder": str(ex.store.path(key)), "seconds": round(seconds, 3),
+                              "shape": list(features.shape)})
+        return features
 
     # ---- client ------------------------------------------------------------------------------------
     def _refresh(self, model, ctx) -> torch.Tensor:

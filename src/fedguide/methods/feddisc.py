@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedguide.fl.seeding import derive_seed
+from fedguide.core.seeding import derive_seed
 from fedguide.methods._centroids import CentroidOneShot, CentroidParams, uploaded_centroids
 from fedguide.guidance.progress import progress
 from fedguide.methods.base import METHODS

@@ -32,7 +32,7 @@ from typing import Literal, Sequence, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedguide.fl.aggregation import weighted_average
+from fedguide.core.aggregation import weighted_average
 from fedguide.methods.base import METHODS, Method
 
 Metric = Literal["l2", "l1", "kl", "cosine"]

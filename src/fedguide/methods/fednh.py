@@ -46,8 +46,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from fedguide.fl.aggregation import sample_weighted_average, weighted_average
-from fedguide.fl.seeding import derive_seed
+from fedguide.core.aggregation import sample_weighted_average, weighted_average
+from fedguide.core.seeding import derive_seed
+from fedguide.core.training import make_optimizer
 from fedguide.methods.base import METHODS, Method
 from fedguide.methods.fedproto import aggregate_prototypes, class_feature_means
 
@@ -155,7 +156,6 @@ class FedNH(Method):
         # Detached copy: the loss never touches the head's parameters, so they get no gradient.
         ctx.scratch["protos"] = F.normalize(model.head.weight.detach().clone(), dim=1)
         if self.params.learn_scale:
-            from fedguide.fl.training import make_optimizer  # imported late: training imports the methods
 
             holder = nn.Module()
             holder.scale = nn.Parameter(ctx.payload["scale"].detach().clone().reshape(()))

@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedguide.fl.aggregation import sample_weighted_average
-from fedguide.fl.evaluation import mean_metrics
+from fedguide.core.aggregation import sample_weighted_average
+from fedguide.core.evaluation import mean_metrics
 from fedguide.methods.base import METHODS, Method
 
 if TYPE_CHECKING:

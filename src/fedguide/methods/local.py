@@ -2,7 +2,7 @@
 
 Reports the mean, over all clients, of each client model's accuracy on the global test set.
 """
-from fedguide.fl.evaluation import mean_metrics
+from fedguide.core.evaluation import mean_metrics
 from fedguide.methods.base import METHODS, Method
 
 

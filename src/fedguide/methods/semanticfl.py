@@ -54,7 +54,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from fedguide.fl.aggregation import sample_weighted_average
+from fedguide.core.aggregation import sample_weighted_average
+from fedguide.core.training import make_optimizer
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec
 from fedguide.guidance.fused import PooledPCAFeatures
 from fedguide.guidance.shared import class_prompts, feature_store, guidance_model
@@ -232,7 +233,6 @@ class SemanticFL(Method):
     def begin_local(self, model, ctx):
         p = self.params
         if self.learned:
-            from fedguide.fl.training import make_optimizer  # the local loop's module imports the methods
 
             holder = _Holder(ctx.payload["text_proj"])
             ctx.scratch["proj"] = (holder, make_optimizer(holder, self.local_train(self.run.config.train)))

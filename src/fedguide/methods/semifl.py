@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedguide.fl.seeding import derive_seed
+from fedguide.core.seeding import derive_seed
 from fedguide.methods._augment import strong_augment
 from fedguide.methods._frozen_encoder import head_logits, sgd_steps
 from fedguide.methods._head_federation import HeadFederation, HeadParams

@@ -45,8 +45,8 @@ class ZeroShot(Method):
     def client_start(self, ctx):
         return self.run.initial_weights
 
-    def local_train(self, train):
-        return train.model_copy(update={"local_steps": 0})  # nothing to train (see _centroids.local_train)
+    def fit(self, model, ctx, train):
+        return None  # nothing to train: the server classifies by text-image similarity
 
     def client_upload(self, model, ctx):
         return {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fedguide.fl.client_step import ClientResult, run_client
 from fedguide.fl.flower.records import decode, encode
-from fedguide.fl.workers import WorkerCrashed
+from fedguide.fl.runtimes.base import WorkerCrashed
 
 
 class FlowerRuntimeFailed(WorkerCrashed):
@@ -31,16 +31,17 @@ def train_reply(msg, ctx, method, cfg):
     res = run_client(ctx, method, cfg.train, cfg.seed, round_, client_id, payload)
     arrays, scalars = encode(res.upload)
     reply = RecordDict({"upload-arrays": arrays, "upload-scalars": scalars,
-                        "result": ConfigRecord({"client-id": res.client_id, "loss": float(res.loss),
-                                                "num-samples": int(res.num_samples),
-                                                "fit-seconds": float(res.fit_seconds)})})
+                        "result": ConfigRecord({"client-id": res.client_id, "num-samples": int(res.num_samples),
+                                                "fit-seconds": float(res.fit_seconds),
+                                                # no "loss" key: the run's model took no step
+                                                **({} if res.loss is None else {"loss": float(res.loss)})})})
     return Message(reply, reply_to=msg)
 
 
 def decode_result(content) -> ClientResult:
     r = content["result"]
     return ClientResult(int(r["client-id"]), decode(content["upload-arrays"], content["upload-scalars"]),
-                        float(r["loss"]), int(r["num-samples"]), float(r["fit-seconds"]))
+                        float(r["loss"]) if "loss" in r else None, int(r["num-samples"]), float(r["fit-seconds"]))
 
 
 def error_reason(reason: str) -> str:

@@ -42,14 +42,15 @@ from typing import Any, Callable, Optional
 import torch
 
 from fedguide.config import Config, load_config, to_yaml
-from fedguide.fl.atomic import write_text
+from fedguide.core.atomic import write_text
 from fedguide.fl.flower.messages import FlowerRuntimeFailed, train_reply
 from fedguide.fl.flower.processes import (FLOWER_ENV, flower_command, flower_env, free_port, log_tail, start,
                                           stop_tree)
 from fedguide.fl.flower.protocol import APP_NAME, APP_PUBLISHER, comparable, fingerprint
 from fedguide.fl.flower.records import encode
-from fedguide.fl.state import ClientStateStore
-from fedguide.fl.workers import DEFAULT_THREADS
+from fedguide.core.state import ClientStateStore
+from fedguide.fl.runtimes.base import DEFAULT_THREADS
+from fedguide.fl.setup import open_run, prepare
 from fedguide.registry import ConfigError
 
 POLL_MIN_S, POLL_MAX_S = 0.01, 0.2  # asking the SuperNode for a task: quick after a task, then backing off
@@ -61,14 +62,12 @@ class ClientNode:
     """One client's experiment: its config, data share and, per run, its run context."""
 
     def __init__(self, config_path: Path, partition_id: int, folder: Path):
-        from fedguide.fl.engine import prepare
-
         self.prepared = prepare(load_config(Path(config_path)))
         self.cfg: Config = self.prepared.config
         self.partition_id = partition_id
         self.folder = Path(folder)
         self.fingerprint = fingerprint(self.cfg)
-        self.threads = self.cfg.runtime.threads_per_worker or DEFAULT_THREADS
+        self.threads = self.prepared.params["runtime"].threads_per_worker or DEFAULT_THREADS
         self._run: Optional[tuple[str, Any, Any]] = None  # (run key, ctx, method)
 
     def run_folder(self, key: str) -> Path:
@@ -80,13 +79,10 @@ class ClientNode:
         return ClientStateStore(self.run_folder(key) / "client_state")
 
     def run_context(self, key: str):
-        from fedguide.fl.engine import Experiment
-
         torch.set_num_threads(self.threads)
         if self._run is None or self._run[0] != key:
             self._run = None  # one run's model and method at a time
-            ctx, method = Experiment(self.prepared, self.run_folder(key), log=lambda s: None).build_context()
-            method.setup()
+            ctx, method = open_run(self.prepared, self.run_folder(key), setup=True)
             self._run = (key, ctx, method)
         return self._run[1], self._run[2]
 

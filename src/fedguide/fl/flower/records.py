@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedguide.methods.base import Record
+from fedguide.core.records import Record
 
 SEP = "/"
 STYPE = "fedguide.torch-raw"

@@ -41,12 +41,14 @@ from typing import Any, Optional
 
 import torch
 
+from fedguide.core.records import Record
 from fedguide.fl.client_step import ClientResult
 from fedguide.fl.flower.messages import (FlowerClientFailed, FlowerRuntimeFailed, decode_result, error_reason,
                                          train_reply)
 from fedguide.fl.flower.processes import FLOWER_ENV, alive as _alive, descendants, stop_processes
 from fedguide.fl.flower.records import encode
-from fedguide.methods.base import Record
+from fedguide.fl.runtimes.base import Executor
+from fedguide.fl.setup import load_run_config, open_run, prepare
 from fedguide.registry import ConfigError
 
 START_TIMEOUT_S = 300  # Ray and the SuperNodes up; a slow, busy machine takes tens of seconds
@@ -78,10 +80,11 @@ def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def actors_and_threads(runtime: Any, per_round: int, cores: Optional[int] = None) -> tuple[int, int]:
-    workers = runtime.workers if isinstance(runtime.workers, int) and runtime.workers > 1 else None
+def actors_and_threads(params: Any, per_round: int, cores: Optional[int] = None) -> tuple[int, int]:
+    """(Ray actors, torch threads per actor) from the runtime's parameters."""
+    workers = params.workers if isinstance(params.workers, int) and params.workers > 1 else None
     actors = workers or max(1, min(per_round, cores or cpu_count()))
-    return actors, runtime.threads_per_worker or 1
+    return actors, params.threads_per_worker or 1
 
 
 # ---- client side (runs inside the Ray actors) ---------------------------------------------------
@@ -90,13 +93,10 @@ _RUNS: dict[str, Any] = {}  # run dir -> (ctx, method, config); one run per acto
 
 def _run_context(run_dir: str, threads: int):
     if run_dir not in _RUNS:
-        from fedguide.fl.engine import Experiment, load_run_config, prepare
-
         _RUNS.clear()  # a new run replaces the old one: one copy of the data per process
         torch.set_num_threads(threads)
         prepared = prepare(load_run_config(Path(run_dir)))
-        ctx, method = Experiment(prepared, Path(run_dir), log=lambda s: None).build_context()
-        method.setup()
+        ctx, method = open_run(prepared, Path(run_dir), setup=True)
         _RUNS[run_dir] = (ctx, method, prepared.config)
     torch.set_num_threads(threads)
     return _RUNS[run_dir]
@@ -137,12 +137,13 @@ def results_in_job_order(round_: int, client_ids: list[int], client_of_node: dic
 
 
 # ---- server side --------------------------------------------------------------------------------
-class FlowerClients:
-    def __init__(self, cfg, run_dir: Path, num_clients: int):
+class FlowerClients(Executor):
+    def __init__(self, params, per_round: int, run_dir: Path, num_clients: int):
         _import_flower()
         self.run_dir = Path(run_dir).resolve()
         self.num_clients = num_clients
-        self.actors, self.threads = actors_and_threads(cfg.runtime, min(cfg.clients.per_round, num_clients))
+        self.actors, self.threads = actors_and_threads(params, min(per_round, num_clients))
+        self.workers = self.actors
         self.ray_pids: set[int] = set()  # every process Ray started, for close() and for tests
         self._tmp = Path(tempfile.mkdtemp(prefix="fedguide-flower-"))  # short: Ray's socket paths
         self._grid_box: "queue.Queue[Any]" = queue.Queue()

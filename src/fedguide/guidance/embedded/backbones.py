@@ -58,10 +58,15 @@ class ImageBackbone(torch.nn.Module):
     def train(self, mode: bool = True):  # always frozen
         return super().train(False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Images in [-1, 1], [B, 1 or 3, H, W] -> [B, 1280]."""
+    def feature_map(self, x: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1], [B, 1 or 3, H, W] -> [B, 1280, image_size / 32, image_size / 32] (the last
+        convolution's output before pooling: 4 x 4 at 128 px)."""
         x = x.expand(-1, 3, -1, -1)
         size = self.image_size
         if x.shape[-1] != size or x.shape[-2] != size:
             x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
-        return self.net.extract_features(x).mean(dim=(2, 3))
+        return self.net.extract_features(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1], [B, 1 or 3, H, W] -> [B, 1280]."""
+        return self.feature_map(x).mean(dim=(2, 3))

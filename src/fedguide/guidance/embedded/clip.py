@@ -1,6 +1,6 @@
 """The embedded mini CLIP: frozen EfficientNet-Lite0 features projected into MiniLM's sentence space.
 
-Only the projection (a two-layer MLP, 1280 -> 768 -> 384) is trained (pretrain.py), contrastively
+Only the projection (a two-layer MLP, 1280 -> 768 -> 384) is trained (pretrain/clip_stage.py), contrastively
 against the frozen MiniLM embeddings of "a photo of a {class}" prompts; the text side is MiniLM's own
 sentence embedding (masked mean of its token states), so zero-shot classification is the cosine between
 a projected image and each prompt. It has the interface of ``ClipImageEncoder``.

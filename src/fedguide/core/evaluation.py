@@ -7,12 +7,11 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from fedguide.fl.weights import WeightLayout
-from fedguide.models.split import SplitModel
+from fedguide.core.weights import WeightLayout
 
 
 class Evaluator:
-    def __init__(self, model: SplitModel, layout: WeightLayout, x: torch.Tensor, y: torch.Tensor, batch_size: int,
+    def __init__(self, model: torch.nn.Module, layout: WeightLayout, x: torch.Tensor, y: torch.Tensor, batch_size: int,
                  domains: Optional[torch.Tensor] = None, domain_names: Optional[list[str]] = None):
         self.model, self.layout, self.x, self.y, self.batch_size = model, layout, x, y, batch_size
         self.domains, self.domain_names = domains, domain_names

@@ -1,16 +1,19 @@
-"""The local training loop: mini-batches gathered by index from the shared in-memory tensors."""
+"""The default local training loop (``Method.fit``): mini-batches gathered by index from the shared
+in-memory tensors, the method's ``local_loss`` per batch.
+
+It knows the method only by its hooks (``begin_local``, ``local_loss``, ``after_backward``) and the
+train settings only by their fields (``epochs``, ``local_steps``, ``batch_size``, optimiser keys), so
+it sits below the methods and the config that use it.
+"""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 
-from fedguide.config import TrainConfig
-from fedguide.methods.base import ClientContext, Method
-from fedguide.models.split import SplitModel
 
-
-def make_optimizer(model: SplitModel, cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
     if cfg.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -20,9 +23,8 @@ def has_batchnorm(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
-def train_local(
-    model: SplitModel, method: Method, ctx: ClientContext, cfg: TrainConfig, generator: torch.Generator
-) -> tuple[float, int]:
+def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generator: torch.Generator
+                ) -> tuple[float, int]:
     """Run ``cfg.epochs`` epochs (or exactly ``cfg.local_steps`` steps) of the method's local
     objective; returns (mean loss, steps)."""
     data = ctx.data

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from fedguide.fl.atomic import write_atomic, write_text
+from fedguide.core.atomic import write_atomic, write_text
 
 State = dict[str, Any]  # tensors and JSON-able scalars
 

@@ -1,0 +1,67 @@
+"""Every registered method on a small config, one line each: the sha256 of its metrics without timings.
+
+A refactoring that must not change behaviour is checked by running this before and after and
+comparing the lines (``diff``). Methods that train on labeled clients run on configs/smoke.yaml; the
+guided ones on the smoke config their family is made for (FedDifRC/SemanticFL/align_features on
+smoke.yaml with the public slice their PCA bases need, the one-shot generators on
+fedcado_smoke.yaml, FedDISC's family on feddisc_smoke.yaml), with the embedded guidance models.
+
+    .venv/bin/python benchmarks/behaviour_hashes.py [--only NAME ...] > hashes.txt
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from fedguide.config import load_config
+from fedguide.fl.engine import TIMING_METRICS, Experiment
+from fedguide.fl.setup import prepare
+from fedguide.methods import METHODS
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "configs/smoke.yaml"
+# method -> (config, overrides) for the methods smoke.yaml cannot run as it is
+SPECIAL = {
+    "feddifrc": (SMOKE, ["data.public_fraction=0.1", "guidance.model=embedded"]),
+    "semanticfl": (SMOKE, ["data.public_fraction=0.1", "guidance.model=embedded"]),
+    "align_features": (SMOKE, ["data.public_fraction=0.1", "guidance.model=embedded"]),
+    "fedcado": (REPO / "configs/fedcado_smoke.yaml", []),
+    "sd_gen": (REPO / "configs/fedcado_smoke.yaml", ["method.name=sd_gen", "method.images_per_class=4",
+                                                     "method.steps=4", "method.gen_batch_size=8",
+                                                     "method.agg_epochs=5"]),
+    "feddf": (REPO / "configs/fedcado_smoke.yaml", ["method.name=feddf", "method.local_epochs=5"]),
+    **{name: (REPO / "configs/feddisc_smoke.yaml", [f"method.name={name}"])
+       for name in ("feddisc", "centroid_finetune", "zero_shot", "fedavg_sm", "semifl", "rscfed")},
+}
+
+
+def metrics_hash(name: str) -> str:
+    config, overrides = SPECIAL.get(name, (SMOKE, []))
+    overrides = overrides + ([f"method.name={name}"] if not any(o.startswith("method.name=") for o in overrides)
+                             and config == SMOKE else [])
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        Experiment(prepare(load_config(config, overrides)), Path(tmp) / "run", log=lambda s: None).run()
+        rows = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    clean = [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in rows]
+    return hashlib.sha256(json.dumps(clean, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args()
+    for name in args.only or METHODS.names():
+        try:
+            print(f"{name:<18} {metrics_hash(name)}", flush=True)
+        except Exception as err:  # a method that cannot run here is reported, the others go on
+            print(f"{name:<18} error: {type(err).__name__}: {str(err).splitlines()[0]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The ``flower-sim`` runtime: every client a virtual SuperNode of Flower's simulation engine (Ray
+actors) on this machine; the executor is ``fl.flower.sim.FlowerClients``, which imports Flower only
+when it starts."""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedguide.fl.flower.sim import FlowerClients, actors_and_threads
+from fedguide.fl.runtimes.base import RUNTIMES, Executor, RunHandle, Runtime
+
+
+class FlowerSimParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    workers: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
+        1, description="Ray actors training the clients; above 1 = that many, else one per core "
+                       "(at most the clients of a round)")
+    threads_per_worker: Optional[int] = Field(None, ge=1, description="torch threads per actor; null = 1")
+
+
+@RUNTIMES.register("flower-sim", summary="clients as virtual SuperNodes of Flower's simulation engine "
+                                         "(pip install 'flwr[simulation]')")
+class FlowerSim(Runtime):
+    Params = FlowerSimParams
+
+    def resources(self, clients_per_round: int, num_params: int) -> tuple[int, int]:
+        return actors_and_threads(self.params, clients_per_round)
+
+    def start(self, run: RunHandle) -> Executor:
+        return FlowerClients(self.params, run.prepared.config.clients.per_round, run.run_dir, run.ctx.num_clients)

@@ -1,0 +1,136 @@
+"""Opening a run: config -> validated settings -> data and partition -> run context + method.
+
+The same calls on the server and on every client of every runtime (a pool's worker processes, Flower's
+simulated and deployed SuperNodes): each side derives the identical data split, model and method from
+the config alone, so no process ships another its data or its objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from fedguide.config import SECTION_KEYS, Config, build_config
+from fedguide.core.evaluation import Evaluator
+from fedguide.core.seeding import derive_seed, numpy_rng
+from fedguide.core.state import ClientStateStore
+from fedguide.core.weights import WeightLayout
+from fedguide.data.federated import FederatedData, public_pool, stratified_fraction
+from fedguide.data.partition import PARTITIONS
+from fedguide.data.scenarios import make_scenario
+from fedguide.data.sources import DATASETS
+from fedguide.fl.runtimes.base import RUNTIMES
+from fedguide.methods import METHODS, Method, RunContext
+from fedguide.methods.compose import REGULARIZERS, Composed, build_regularizers
+from fedguide.models import MODELS, build_model
+from fedguide.registry import ConfigError
+
+
+def resolve(cfg: Config) -> tuple[Config, dict[str, Any]]:
+    """Validate every named section against its registry and return the config with all defaults
+    written out, plus the parsed parameter objects."""
+    raw = cfg.model_dump(mode="json")
+    regs, model_defaults = [], dict(METHODS.get(cfg.method.name).obj.model_defaults)
+    for i, spec in enumerate(cfg.regularizers):
+        spec = {"name": spec} if isinstance(spec, str) else dict(spec)
+        if "name" not in spec:
+            raise ConfigError(f"regularizers[{i}] has no name; write e.g. regularizers: [dw]")
+        name = spec.pop("name")
+        regs.append({"name": name, **REGULARIZERS.parse_params(name, spec, f"regularizers[{i}]").model_dump(mode="json")})
+        model_defaults.update(REGULARIZERS.get(name).obj.model_defaults)
+    raw["regularizers"] = regs
+    parsed = {
+        "data": DATASETS.parse_params(cfg.data.name, cfg.data.params_dict(), "data"),
+        "partition": PARTITIONS.parse_params(cfg.partition.name, cfg.partition.params_dict(), "partition"),
+        # Keys the method's paper fixes apply unless the config sets them explicitly.
+        "model": MODELS.parse_params(cfg.model.name, {**model_defaults, **cfg.model.params_dict()}, "model"),
+        "method": METHODS.parse_params(cfg.method.name, cfg.method.params_dict(), "method"),
+        "runtime": RUNTIMES.parse_params(cfg.runtime.name, cfg.runtime.params_dict(), "runtime"),
+    }
+    for section, params in parsed.items():
+        own = ("name", *SECTION_KEYS.get(section, ()))  # the section's own keys, not the entry's params
+        raw[section] = {**{k: raw[section][k] for k in own if k in raw[section]},
+                        **params.model_dump(mode="json")}
+    return build_config(raw), parsed
+
+
+@dataclass
+class Prepared:
+    """Everything that follows from the config alone (shared by --dry-run and a real run)."""
+
+    config: Config
+    params: dict[str, Any]
+    data: FederatedData
+    method_cls: type[Method]
+
+
+def prepare(cfg: Config) -> Prepared:
+    cfg, params = resolve(cfg)
+    splits = DATASETS.get(cfg.data.name).obj(params["data"])
+    labels = splits.train_y.numpy()
+    pool = np.arange(len(labels))
+    public = public_pool(labels, cfg.data.public_fraction, cfg.data.public_seed)
+    pool = np.setdiff1d(pool, public)
+    used = pool[stratified_fraction(labels[pool], cfg.data.fraction, numpy_rng(cfg.seed, "data"))]
+    domains = splits.train_domains.numpy()[used] if splits.train_domains is not None else None
+    part = make_scenario(cfg.partition.name, cfg.partition.params_dict(), labels[used], cfg.clients.num,
+                         derive_seed(cfg.seed, "partition"), domains, splits.domain_names)
+    method_cls = METHODS.get(cfg.method.name).obj
+    if not part.clients_labeled and method_cls.needs_client_labels:
+        raise ConfigError(f"partition '{cfg.partition.name}' leaves the clients' data unlabeled, but method "
+                          f"'{cfg.method.name}' trains on client labels; choose a method for unlabeled clients "
+                          "or another partition")
+    client_indices = method_cls.federation([used[p] for p in part.clients])
+    try:  # an architecture that cannot take these inputs is a config error, found before any run dir exists
+        build_model(cfg.model.name, params["model"], splits.model_spec())
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    data = FederatedData(splits, client_indices, public_indices=public,
+                         server_indices=None if part.server is None else used[part.server],
+                         clients_labeled=part.clients_labeled)
+    return Prepared(cfg, params, data, method_cls)
+
+
+def open_run(prepared: Prepared, run_dir: Path, setup: bool = False) -> tuple[RunContext, Method]:
+    """The run context (the one live model, its weight layout, the evaluator, the state stores) and the
+    method (composed with the config's regularisers). ``setup=True`` also runs the method's set-up, as
+    every client side does before its first round; the server runs it itself, after deciding between a
+    fresh start and a resume."""
+    cfg = prepared.config
+    run_dir = Path(run_dir)
+    spec = prepared.data.splits.model_spec()
+    torch.manual_seed(derive_seed(cfg.seed, "model"))
+    model = build_model(cfg.model.name, prepared.params["model"], spec)
+    layout = WeightLayout.of(model)
+    splits = prepared.data.splits
+    ctx = RunContext(
+        config=cfg,
+        data=prepared.data,
+        model=model,
+        make_model=lambda: build_model(cfg.model.name, prepared.params["model"], spec),
+        layout=layout,
+        initial_weights=layout.flatten(model),
+        evaluator=Evaluator(model, layout, splits.test_x, splits.test_y, cfg.train.eval_batch_size,
+                            splits.test_domains, splits.domain_names),
+        store=ClientStateStore(run_dir / "client_state"),
+        server_store=ClientStateStore(run_dir / "server_state"),
+        run_dir=run_dir,
+    )
+    method = prepared.method_cls(prepared.params["method"], ctx)
+    if cfg.regularizers:
+        method = Composed(method, build_regularizers(cfg.regularizers, ctx))
+    if setup:
+        method.setup()
+    return ctx, method
+
+
+def load_run_config(run_dir: Path) -> Config:
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} is not a fedguide run directory (no config.yaml); "
+                          "pass the folder a 'fedguide run' created")
+    return build_config(yaml.safe_load(path.read_text()))

@@ -1,0 +1,77 @@
+"""What every stage trains on: the public pools of the embedded datasets (drawn as a run's
+``data.public_fraction`` draws them, so no client or test image is ever seen) and the frozen text
+encoder's states of their class prompts."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedguide.guidance.embedded.backbones import text_encoder_path
+from fedguide.guidance.embedded.clip import mean_pool
+from fedguide.guidance.embedded.pretrain.settings import DATASETS, PROMPT, PretrainSettings
+
+
+@dataclass
+class Pool:
+    images: torch.Tensor  # [N, 3, 32, 32] in [-1, 1]
+    labels: torch.Tensor  # [N] prompt index
+    sources: torch.Tensor  # [N] index into DATASETS
+    prompts: list[str]
+    slices: list[dict]  # per dataset: name, public indices count, per-class counts, sha256 of indices
+
+
+def load_pool(settings: PretrainSettings) -> Pool:
+    import fedguide.data.sources  # noqa: F401  (registers every source)
+    from fedguide.data.federated import public_pool
+    from fedguide.data.sources.base import DATASETS as SOURCES
+
+    images, labels, sources, prompts, slices = [], [], [], [], []
+    for position, name in enumerate(DATASETS):
+        splits = SOURCES.get(name).obj(SOURCES.parse_params(name, {}, "data"))
+        idx = public_pool(splits.train_y.numpy(), settings.public_fraction, settings.public_seed)
+        if settings.max_per_class is not None:
+            y = splits.train_y[idx].numpy()
+            idx = np.sort(np.concatenate([idx[y == c][:settings.max_per_class] for c in np.unique(y)]))
+        x = splits.unit_images(splits.train_x[idx]) * 2 - 1
+        x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False) if x.shape[-1] != 32 else x
+        images.append(x.expand(-1, 3, -1, -1).contiguous())
+        labels.append(splits.train_y[idx] + len(prompts))
+        sources.append(torch.full((len(idx),), position, dtype=torch.long))
+        prompts += [PROMPT.format(c.lower()) for c in splits.class_names]
+        slices.append({"dataset": name, "public_fraction": settings.public_fraction,
+                       "public_seed": settings.public_seed, "images": int(len(idx)),
+                       "per_class": np.bincount(splits.train_y[idx].numpy()).tolist(),
+                       "indices_sha256": hashlib.sha256(np.asarray(idx, np.int64).tobytes()).hexdigest()})
+    return Pool(torch.cat(images), torch.cat(labels), torch.cat(sources), prompts, slices)
+
+
+@dataclass
+class PromptText:
+    tokenizer: object  # saved with the models, its model_max_length set to the run's max_length
+    tokens: torch.Tensor  # [P, L, H] token states of every class prompt (the UNet's context)
+    mask: torch.Tensor  # [P, L] 1 for real tokens
+    empty: torch.Tensor  # [1, L, H] the empty prompt's states (text dropout)
+    pooled: torch.Tensor  # [P, H] sentence embeddings (the CLIP stage's targets)
+
+
+def text_states(tokenizer, text_encoder, prompts: list[str], max_length: int):
+    enc = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        tokens = text_encoder(input_ids=enc.input_ids, attention_mask=enc.attention_mask).last_hidden_state
+    return tokens, enc.attention_mask
+
+
+def encode_prompts(prompts: list[str], max_length: int) -> PromptText:
+    """The frozen MiniLM's view of the class prompts and of the empty prompt."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(text_encoder_path())
+    tokenizer.model_max_length = max_length
+    text_encoder = AutoModel.from_pretrained(text_encoder_path()).eval()
+    tokens, mask = text_states(tokenizer, text_encoder, prompts, max_length)
+    empty, _ = text_states(tokenizer, text_encoder, [""], max_length)
+    return PromptText(tokenizer, tokens, mask, empty, mean_pool(tokens, mask))

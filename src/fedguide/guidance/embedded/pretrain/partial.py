@@ -1,0 +1,105 @@
+"""What a run keeps in its ``.<name>.partial`` folder until the models are written: the training log
+and the finished stages (and UNet checkpoints), each tagged with the settings it was made with, so a
+killed run started again reuses exactly the stages those settings still describe.
+
+A stage file is a safetensors file: its tensors, and everything else (the settings key, step counts,
+optimiser hyper-parameters) as JSON in the file's metadata. Nothing in that folder is ever unpickled,
+so a file someone else put there can at worst be refused, never run.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fedguide.core.atomic import write_atomic
+
+FORMAT = "fedguide-pretrain-stage"  # the metadata entry holding the JSON part
+
+
+class Log:
+    def __init__(self, path: Path, quiet: bool):
+        self.path, self.quiet, self.start = path, quiet, time.perf_counter()
+        # A resumed run's card keeps the lines of the runs that trained its reused stages.
+        self.rows: list[dict] = ([json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+                                 if path.is_file() else [])
+
+    def __call__(self, stage: str, **row) -> None:
+        row = {"stage": stage, "seconds": round(time.perf_counter() - self.start, 1), **row}
+        self.append(row)
+        if not self.quiet and row.get("final"):
+            print(f"{stage}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("stage", "final")),
+                  file=sys.stderr, flush=True)
+
+    def append(self, row: dict) -> None:
+        """A row as it is (another run's line keeps its own elapsed seconds)."""
+        self.rows.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def stage_file(partial: Path, name: str) -> Path:
+    return partial / f"{name}.safetensors"
+
+
+def _pack(obj, tensors: dict):
+    """``obj`` as JSON, each tensor replaced by its name in ``tensors`` (tuples and non-string keys kept)."""
+    if isinstance(obj, torch.Tensor):
+        name = str(len(tensors))
+        tensors[name] = obj.detach().contiguous()
+        return {"tensor": name}
+    if isinstance(obj, dict):
+        return {"dict": [[_pack(k, tensors), _pack(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {type(obj).__name__: [_pack(v, tensors) for v in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"value": obj}
+    raise TypeError(f"a pretraining stage cannot hold a {type(obj).__name__}")
+
+
+def _unpack(node, tensors: dict):
+    (kind, value), = node.items()
+    if kind == "tensor":
+        return tensors[value]
+    if kind == "dict":
+        return {_unpack(k, tensors): _unpack(v, tensors) for k, v in value}
+    if kind in ("list", "tuple"):
+        items = [_unpack(v, tensors) for v in value]
+        return items if kind == "list" else tuple(items)
+    if kind == "value":
+        return value
+    raise ValueError(f"unknown entry {kind!r}")
+
+
+def save_atomic(obj: dict, path: Path) -> None:
+    """``obj`` (tensors, dicts, lists, tuples, numbers, strings) as a safetensors file; a kill mid-save
+    leaves the previous stage file or checkpoint, not a truncated one."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    meta = {FORMAT: json.dumps(_pack(obj, tensors))}
+    write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+
+
+def _read(path: Path) -> dict:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            return _unpack(json.loads((f.metadata() or {})[FORMAT]), tensors)
+    except Exception as err:  # noqa: BLE001 — whatever is wrong with it, it is not loaded
+        raise ValueError(f"{path} is not a stage file written by fedguide pretrain-guidance ({type(err).__name__}: "
+                         f"{err}); it was not loaded: delete it (or its folder) to retrain that stage") from None
+
+
+def load_stage(path: Path, key: dict):
+    """The saved stage at ``path`` if it was made with ``key`` (see settings.stage_key), else None. A file
+    that is not such a stage (a pickle, say) is refused with a ValueError, never executed."""
+    if not path.is_file():
+        return None
+    state = _read(path)
+    return state if isinstance(state, dict) and state.get("key") == key else None
