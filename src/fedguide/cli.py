@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -33,9 +35,9 @@ def _default_run_dir(config_path: Path, method: str, seed: int) -> Path:
 
 
 def _check_fresh(run_dir: Path) -> None:
-    if (run_dir / "config.yaml").exists() or (run_dir / "checkpoints").exists():
-        raise ConfigError(f"{run_dir} already holds a run; continue it with 'fedguide resume {run_dir}' "
-                          "or choose another --out")
+    from fedguide.fl.engine import check_fresh  # checked again under the run folder's lock
+
+    check_fresh(run_dir)
 
 
 def _sweep_grid(sweeps: list[str]) -> list[list[str]]:
@@ -50,8 +52,7 @@ def _sweep_grid(sweeps: list[str]) -> list[list[str]]:
 
 def _run_one(config_path: Path, overrides: list[str], run_dir: Optional[Path], dry_run: bool, quiet: bool, console):
     from fedguide.config import load_config, to_yaml
-    from fedguide.fl.engine import Experiment
-    from fedguide.fl.setup import prepare
+    from fedguide.fl.setup import open_run, prepare
 
     prepared = prepare(load_config(config_path, overrides))
     cfg = prepared.config
@@ -59,31 +60,50 @@ def _run_one(config_path: Path, overrides: list[str], run_dir: Optional[Path], d
     if refusal and not dry_run:
         raise ConfigError(refusal)
     if dry_run:
+        with tempfile.TemporaryDirectory() as scratch:
+            open_run(prepared, Path(scratch))  # what building the method and its regularisers refuses
         print(to_yaml(cfg), end="")
         print("partition summary: " + json.dumps(prepared.data.summary()))
         return None
     run_dir = run_dir or _default_run_dir(config_path, cfg.method.name, cfg.seed)
     _check_fresh(run_dir)
+    _check_writable(run_dir)
     console.print(f"[bold]{cfg.method.name}[/] on {cfg.data.name}, {cfg.partition.name}, "
                   f"{prepared.data.num_clients} clients, seed {cfg.seed} -> {run_dir}")
+    summary = _execute(prepared, run_dir, False, quiet, console)
+    console.print(f"final accuracy {100 * summary['final_accuracy']:.2f}%  "
+                  f"(best {100 * summary['best_accuracy']:.2f}% at round {summary['best_round']})  "
+                  f"{summary['wall_seconds']:.0f} s  -> {run_dir}")
+    return run_dir
+
+
+def _execute(prepared, run_dir: Path, resume: bool, quiet: bool, console) -> dict:
+    """Run or resume with progress; an interruption or a crashed worker says how to continue."""
+    from fedguide.fl.engine import Experiment
+
     progress = _progress(console, quiet)
-    log = (lambda s: None) if quiet else console.print
-    exp = Experiment(prepared, run_dir, log=log, progress=progress)
+    exp = Experiment(prepared, run_dir, log=(lambda s: None) if quiet else console.print, progress=progress)
     try:
         if progress:
             with progress:
-                summary = exp.run()
-        else:
-            summary = exp.run()
+                return exp.run(resume=resume)
+        return exp.run(resume=resume)
     except KeyboardInterrupt:
         console.print(f"interrupted; continue with: fedguide resume {run_dir}")
         raise SystemExit(130)
     except WorkerCrashed as err:
         raise WorkerCrashed(f"{err}\ncontinue with: fedguide resume {run_dir}") from None
-    console.print(f"final accuracy {100 * summary['final_accuracy']:.2f}%  "
-                  f"(best {100 * summary['best_accuracy']:.2f}% at round {summary['best_round']})  "
-                  f"{summary['wall_seconds']:.0f} s  -> {run_dir}")
-    return run_dir
+
+
+def _check_writable(run_dir: Path) -> None:
+    """The run folder exists (made here) and takes files, or a sentence says why not."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as err:
+        raise ConfigError(f"cannot write the run folder {run_dir}: {err.strerror or err} "
+                          f"({err.filename or run_dir}); choose another --out, a folder you can write to") from None
 
 
 def cmd_run(args) -> int:
@@ -108,26 +128,19 @@ def cmd_run(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from fedguide.fl.engine import Experiment
     from fedguide.fl.setup import load_run_config, prepare
 
     console = _console()
     run_dir = args.run_dir
-    if (run_dir / "summary.json").exists():
+    cfg = load_run_config(run_dir)
+    done = run_dir / "summary.json"
+    if done.exists() and json.loads(done.read_text()).get("rounds", 0) >= cfg.train.rounds:
         console.print(f"{run_dir} is already complete (summary.json exists); nothing to resume")
         return 0
-    cfg = load_run_config(run_dir)
     refusal = RUNTIMES.get(cfg.runtime.name).obj.refuses(run_dir, resume=True)
     if refusal:
         raise ConfigError(refusal)
-    prepared = prepare(cfg)
-    progress = _progress(console, args.quiet)
-    exp = Experiment(prepared, run_dir, log=(lambda s: None) if args.quiet else console.print, progress=progress)
-    if progress:
-        with progress:
-            summary = exp.run(resume=True)
-    else:
-        summary = exp.run(resume=True)
+    summary = _execute(prepare(cfg), run_dir, True, args.quiet, console)
     console.print(f"final accuracy {100 * summary['final_accuracy']:.2f}%  -> {run_dir}")
     return 0
 
@@ -150,9 +163,10 @@ def cmd_serve(args) -> int:
         cfg, _ = resolve(load_config(args.target, args.overrides))  # config errors before any process starts
         run_dir = args.out or _default_run_dir(args.target, cfg.method.name, cfg.seed)
         _check_fresh(run_dir)
+        _check_writable(run_dir)
     log = (lambda s: None) if args.quiet else (lambda s: console.print(s, markup=False))  # Flower's text, verbatim
     try:
-        summary = serve(run_dir, cfg, resume=args.resume, host=args.host, log=log)
+        summary = serve(run_dir, cfg, resume=args.resume, host=args.host, log=log, insecure=args.insecure)
     except KeyboardInterrupt:
         console.print(f"interrupted; continue with: fedguide serve --resume {run_dir}")
         raise SystemExit(130)
@@ -174,7 +188,7 @@ def cmd_client(args) -> int:
     cfg, _ = resolve(load_config(args.config, args.overrides))
     folder = args.out or Path("runs") / f"flower-client-{args.partition_id}"
     try:
-        run_client_node(cfg, args.partition_id, folder, superlink=args.superlink,
+        run_client_node(cfg, args.partition_id, folder, superlink=args.superlink, insecure=args.insecure,
                         log=(lambda s: None) if args.quiet else (lambda s: console.print(s, markup=False)))
     except KeyboardInterrupt:
         console.print(f"client {args.partition_id} stopped")
@@ -219,6 +233,8 @@ def _print_report(paths: list[Path], out: Optional[Path], console) -> None:
     from fedguide.report import results_table
 
     result = report(paths, out)
+    for w in (w for r in result.runs for w in r.warnings):
+        print(f"warning: {w}", file=sys.stderr)
     print(results_table(result.runs))
     console.print(f"report: {result.markdown_path}")
     for p in result.plot_paths:
@@ -260,7 +276,11 @@ def _add_flower(sub) -> None:
     srv.add_argument("--out", type=Path, default=None, help="run directory")
     srv.add_argument("--resume", action="store_true", help="continue the run directory TARGET from its last checkpoint")
     srv.add_argument("--host", default="127.0.0.1",
-                     help="address the SuperLink listens on (default 127.0.0.1; 0.0.0.0 for other machines)")
+                     help="address the SuperLink listens on (default 127.0.0.1; 0.0.0.0 for other machines, which "
+                          "needs runtime.tls or --insecure)")
+    srv.add_argument("--insecure", action="store_true",
+                     help="allow a --host beyond this machine without runtime.tls: plain HTTP, any machine that "
+                          "reaches the port can join as a client (a trusted network only)")
     srv.add_argument("--quiet", action="store_true")
     srv.set_defaults(func=cmd_serve)
 
@@ -270,6 +290,9 @@ def _add_flower(sub) -> None:
     cli.add_argument("overrides", nargs="*")
     cli.add_argument("--partition-id", type=int, required=True, help="this client's id, 0..clients.num-1")
     cli.add_argument("--superlink", default=None, help="host:port of the SuperLink (default: runtime.superlink)")
+    cli.add_argument("--insecure", action="store_true",
+                     help="allow plain HTTP to a SuperLink on another machine (without runtime.tls; a trusted "
+                          "network only)")
     cli.add_argument("--out", type=Path, default=None,
                      help="this client's folder: logs, Flower home, client state (default runs/flower-client-I)")
     cli.add_argument("--quiet", action="store_true")
@@ -304,7 +327,7 @@ def _add_pretrain(sub) -> None:
                      help="weight of the UNet's representation-alignment (REPA) loss; 0 (default) trains without it")
     pre.add_argument("--repa-layers", dest="repa_layers", default=None,
                      type=lambda v: tuple(name.strip() for name in v.split(",") if name.strip()),
-                     help="comma-separated UNet blocks aligned: mid, down.i, up.i (default up.1)")
+                     help="comma-separated UNet blocks aligned: mid, down.i, up.i (default mid,up.1)")
     pre.add_argument("--repa-target", dest="repa_target", choices=("effnet", "clip"), default=None,
                      help="alignment target: the frozen EfficientNet-Lite0 feature map of the clean image (effnet, "
                           "default) or its mini-CLIP embedding (clip)")
@@ -336,11 +359,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command not in ("run", "serve", "client") or any(e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
+    # A batch system's SIGTERM ends a run as Ctrl-C does: the message, the resume hint, every process closed.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
     except (ConfigError, ValueError, FloatingPointError, WorkerCrashed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a path that cannot be read or written: the path and the reason, no traceback
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"error: {err.strerror or err}{where}; check that the path exists and that you may write there",
+              file=sys.stderr)
+        return 2
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -8,20 +8,35 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fedguide.registry import ConfigError
+from fedguide.registry import ConfigError, bool_for_number
 
 
-class Strict(BaseModel):
+class Typed(BaseModel):
+    """Numbers are numbers: a YAML boolean where a number belongs is refused (pydantic would read
+    ``lr: true`` as 1.0)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        wrong = bool_for_number(cls, data)
+        if wrong:
+            raise ValueError(", ".join(f"{k}: {data[k]!r} is a boolean where a number belongs" for k in wrong)
+                             + "; write a number")
+        return data
+
+
+class Strict(Typed):
     model_config = ConfigDict(extra="forbid")
 
 
-class Named(BaseModel):
+class Named(Typed):
     """A section selecting a registry entry; its other keys are that entry's parameters."""
 
     model_config = ConfigDict(extra="allow")
@@ -156,7 +171,7 @@ def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             section = e["loc"][:-1]
             model: Any = Config
@@ -172,9 +187,15 @@ def load_raw(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} not found; pass a YAML file such as configs/smoke.yaml")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if raw is None:  # an empty file is more often a mistake than a wish for every default: say so
+        d = Config()
+        print(f"warning: {path} is empty; every default runs ({d.method.name} on {d.data.name}, {d.partition.name} "
+              f"partition over {d.clients.num} clients, {d.model.name}, {d.train.rounds} rounds; --dry-run prints "
+              "them all)", file=sys.stderr)
+        raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a YAML mapping (data:, method:, ...), not {type(raw).__name__}")
     return raw
@@ -189,6 +210,25 @@ def build_config(raw: dict[str, Any]) -> Config:
 
 def load_config(path: Path, overrides: list[str] | None = None) -> Config:
     return build_config(apply_overrides(load_raw(path), overrides or []))
+
+
+def flat_keys(d: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as dotted keys: {"train": {"lr": 0.1}} -> {"train.lr": 0.1}."""
+    if not isinstance(d, dict):
+        return {prefix[:-1]: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(flat_keys(v, f"{prefix}{k}."))
+    return out
+
+
+def config_differences(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str], limit: int = 8) -> list[str]:
+    """'key: a value (label a) vs b value (label b)' for every dotted key two config dumps disagree on."""
+    fa, fb = flat_keys(a), flat_keys(b)
+    missing = object()
+    lines = [f"{k}: {fa.get(k, '(unset)')!r} ({labels[0]}) vs {fb.get(k, '(unset)')!r} ({labels[1]})"
+             for k in sorted(set(fa) | set(fb)) if fa.get(k, missing) != fb.get(k, missing)]
+    return lines[:limit] + ([f"... and {len(lines) - limit} more"] if len(lines) > limit else [])
 
 
 def to_yaml(cfg: Config) -> str:

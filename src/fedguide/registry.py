@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
@@ -21,6 +22,27 @@ class NoParams(BaseModel):
 
 class ConfigError(ValueError):
     """A configuration problem; the message says what to change."""
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field takes numbers and not booleans (int, float, Optional/Union/Annotated of them)."""
+    if annotation in (int, float):
+        return True
+    if annotation is bool:
+        return False
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _numeric(args[0])
+    return any(_numeric(a) for a in args) and bool not in args
+
+
+def bool_for_number(model: type[BaseModel], raw: Any) -> list[str]:
+    """The keys of ``raw`` whose field takes a number but whose value is a boolean. pydantic turns
+    ``lr: true`` into 1.0 without a word; a YAML boolean where a number belongs is a typo, not a value."""
+    if not isinstance(raw, dict):
+        return []
+    return [k for k, v in raw.items() if isinstance(v, bool) and k in model.model_fields
+            and _numeric(model.model_fields[k].annotation)]
 
 
 @dataclass(frozen=True)
@@ -83,6 +105,10 @@ class Registry(Generic[T]):
     def parse_params(self, name: str, raw: dict[str, Any], where: str) -> BaseModel:
         """Validate ``raw`` (the section without ``name``) against the entry's Params model."""
         entry = self.get(name)
+        wrong = bool_for_number(entry.params, raw)
+        if wrong:
+            raise ConfigError("; ".join(f"{where}.{k}: {raw[k]!r} is a boolean where a number belongs; write a number"
+                                        for k in wrong))
         try:
             return entry.params.model_validate(raw)
         except ValidationError as err:

@@ -124,7 +124,7 @@ def test_a_killed_pretraining_resumes_to_the_same_models(tmp_path, monkeypatch):
     clean = pt.pretrain(tmp_path / "clean", settings, quiet=True, threads=1)
 
     partial = kill_before_writing(pt, monkeypatch, tmp_path / "resumed", settings)
-    assert {"clip.pt", "vae.pt", "unet.pt"} <= {p.name for p in partial.iterdir()}
+    assert {"clip.safetensors", "vae.safetensors", "unet.safetensors"} <= {p.name for p in partial.iterdir()}
     calls = []
     for stage in ("train_clip", "train_vae"):
         monkeypatch.setattr(pt, stage, lambda *a, stage=stage, **k: calls.append(stage))

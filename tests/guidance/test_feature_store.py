@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedguide.guidance.store import FeatureCacheError, FeatureKey, FeatureStore, file_sha256
+from fedguide.core.checksums import file_sha256
+from fedguide.guidance.store import FeatureCacheError, FeatureKey, FeatureStore
 from fedguide.registry import ConfigError
 
 MODEL = "example/unet@abc123"

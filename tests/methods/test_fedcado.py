@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -328,6 +329,10 @@ def test_a_killed_run_resumes_without_regenerating_finished_clients(tiny_folder,
     assert len(sampler_calls) == 2 and rows[0]["generation_clients_skipped"] == 1 and rows[0]["generated_images"] == 4
     assert torch.equal(store.load(0).images, first)  # read back, not regenerated
     changed = build_config(raw_config(tiny_folder, tmp_path, {"images_per_class": 1}))
+    with pytest.raises(ConfigError, match="already holds a run"):  # a finished run is never overwritten
+        run_tiny(tmp_path, changed, name="run")
+    (tmp_path / "run" / "config.yaml").unlink()  # the folder emptied of its run but for the synthetic files
+    shutil.rmtree(tmp_path / "run" / "checkpoints")
     run_tiny(tmp_path, changed, name="run")
     assert len(sampler_calls) == 4  # another recipe: both files are stale, neither is reused
     assert len(store.load(0).labels) == 2

@@ -188,3 +188,45 @@ def test_partial_last_metrics_line_of_live_run_is_tolerated(tmp_path):
         fh.write('{"round": 6, "accur')
     with pytest.raises(ValueError, match="metrics.jsonl:6"):
         load_run(done)
+
+
+# ---- grouping: only runs that differ in their seed share a row ---------------------------------------
+def with_config(run_dir: Path, **dotted) -> Path:
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    for key, value in dotted.items():
+        section, leaf = key.split("__")
+        cfg.setdefault(section, {})[leaf] = value
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return run_dir
+
+
+def rows_of(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()[2:] if line.startswith("|")]
+
+
+def test_runs_that_differ_in_a_setting_get_their_own_rows_with_the_setting_shown(tmp_path):
+    a = with_config(make_run(tmp_path, "lr-small", "fedavg", 0, 0.40), train__lr=0.01)
+    b = with_config(make_run(tmp_path, "lr-large", "fedavg", 0, 0.80), train__lr=0.1)
+    text = results_table([a, b])
+    header = text.splitlines()[0]
+    assert header.rstrip(" |").endswith("train.lr")
+    rows = rows_of(text)
+    assert len(rows) == 2, text  # not one row "seeds 0, 0" averaging two learning rates
+    assert {(r[0], r[5], r[6], r[-1]) for r in rows} == {("fedavg", "0", "80.00 ± n/a", "0.1"),
+                                                          ("fedavg", "0", "40.00 ± n/a", "0.01")}
+
+
+def test_runs_that_differ_only_in_their_seed_share_a_row_with_n_seeds(tmp_path):
+    runs = [with_config(make_run(tmp_path, f"s{s}", "fedavg", s, 0.5 + s / 10), train__lr=0.05) for s in range(3)]
+    rows = rows_of(results_table(runs))
+    assert len(rows) == 1 and rows[0][5] == "0, 1, 2" and rows[0][6] == "60.00 ± 10.00"
+
+
+def test_two_runs_of_the_same_seed_are_never_averaged(tmp_path):
+    a = make_run(tmp_path, "first", "fedavg", 0, 0.40)
+    b = make_run(tmp_path, "again", "fedavg", 0, 0.60)
+    text = results_table([a, b])
+    rows = rows_of(text)
+    assert [r[0] for r in rows] == ["fedavg (seed 0 repeated)"] * 2
+    assert sorted(r[6] for r in rows) == ["40.00 ± n/a", "60.00 ± n/a"]
+    assert "never averaged" in text

@@ -22,9 +22,10 @@ State = dict[str, Any]  # tensors and JSON-able scalars
 
 class ClientStateStore:
     def __init__(self, root: Path):
+        # Folders appear with the first write: a run whose method keeps no client state (or that is
+        # refused before its first round) leaves none behind.
         self.root = Path(root)
         self.committed = self.root / "committed"
-        self.committed.mkdir(parents=True, exist_ok=True)
 
     def _pending(self, round_: int) -> Path:
         return self.root / f"pending-{round_}"
@@ -59,6 +60,7 @@ class ClientStateStore:
         pending = self._pending(round_)
         if not pending.is_dir():
             return
+        self.committed.mkdir(parents=True, exist_ok=True)
         for folder in sorted(pending.iterdir()):
             target = self.committed / folder.name
             if target.exists():

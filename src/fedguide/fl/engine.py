@@ -18,11 +18,12 @@ import torch
 from safetensors.torch import save_file
 
 import fedguide
-from fedguide.config import Config, to_yaml
+from fedguide.config import Config, config_differences, to_yaml
 from fedguide.core.atomic import write_atomic, write_json, write_jsonl, write_text
 from fedguide.core.records import record_bytes
 from fedguide.core.seeding import sample_clients
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedguide.fl.run_lock import RunLock
 from fedguide.fl.runtimes.base import Executor, RunHandle, Runtime, runtime_of
 from fedguide.fl.setup import Prepared, open_run
 from fedguide.methods import Method, RunContext
@@ -31,6 +32,27 @@ from fedguide.registry import ConfigError
 ROUND_ACCURACY_MARKS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
 # Per-round metrics that measure the machine, not the run: excluded when comparing runs for identity.
 TIMING_METRICS = frozenset({"seconds", "train_seconds", "aggregate_seconds", "eval_seconds", "client_fit_seconds"})
+
+
+def check_fresh(run_dir: Path) -> None:
+    if (run_dir / "config.yaml").exists() or (run_dir / "checkpoints").exists():
+        raise ConfigError(f"{run_dir} already holds a run; continue it with 'fedguide resume {run_dir}' "
+                          "or choose another --out")
+
+
+def remove_stale_temporaries(run_dir: Path) -> None:
+    """Temporary files an atomic write left when its process was killed mid-write (core/atomic.py names
+    them ``.<name>.<random>.tmp``); the files they were meant to replace are intact."""
+    for tmp in run_dir.rglob(".*.tmp"):
+        if tmp.is_file():
+            tmp.unlink()
+
+
+def pinned_config(cfg: Config) -> dict[str, Any]:
+    """What a checkpoint pins: the resolved config without ``meta`` (versions, commit)."""
+    raw = cfg.model_dump(mode="json")
+    raw.pop("meta", None)
+    return raw
 
 
 def partition_label(cfg: Config) -> str:
@@ -97,22 +119,29 @@ class Experiment:
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self, resume: bool = False) -> dict[str, Any]:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        """Run (or, with ``resume``, continue from its last checkpoint) holding the run folder's lock."""
+        with RunLock(self.run_dir):
+            if not resume:
+                check_fresh(self.run_dir)
+            else:
+                remove_stale_temporaries(self.run_dir)
+                (self.run_dir / "stopped.json").unlink(missing_ok=True)
+            return self._run(resume)
+
+    def _run(self, resume: bool) -> dict[str, Any]:
         ctx, method = open_run(self.p, self.run_dir)
         # The server sets up and evaluates with the clients' thread count: results then do not depend on
         # how many processes trained the clients.
         _, threads = self.runtime.resources(min(self.cfg.clients.per_round, ctx.num_clients), ctx.layout.numel)
         torch.set_num_threads(threads)
         ckpt = load_checkpoint(self.run_dir / "checkpoints") if resume else None
+        notes: dict[str, Any] = {}
         if ckpt is None:
-            self._write_static()
             method.setup()
+            self._write_static()  # after a set-up that can refuse: a refused run leaves no run behind
             global_w, metrics, start, wall0 = method.init_global(ctx.initial_weights.clone()), [], 1, 0.0
         else:
-            saved = json.loads((self.run_dir / "partition.json").read_text())
-            if saved["counts"] != self._partition_record()["counts"]:
-                raise ConfigError(f"{self.run_dir}: the partition rebuilt from config.yaml differs from "
-                                  "partition.json (the code or data changed); start a new run instead")
+            notes = self._check_resumable(ckpt)
             method.setup()
             method.load_server_state(ckpt.method_state)
             global_w, metrics, start, wall0 = ckpt.global_weights, ckpt.metrics, ckpt.round + 1, ckpt.wall_seconds
@@ -127,20 +156,55 @@ class Experiment:
                 ctx.store.recover(ckpt.round)
                 ctx.server_store.recover(ckpt.round)
             for r in range(start, rounds + 1):
-                global_w, m = self._round(r, ctx, method, clients, global_w)
+                try:
+                    global_w, m = self._round(r, ctx, method, clients, global_w)
+                except FloatingPointError as err:
+                    # Recorded in the run folder, so a report shows the run as diverged, not as running.
+                    write_json(self.run_dir / "stopped.json", {"reason": "diverged", "after_round": r - 1,
+                                                               "message": str(err)})
+                    raise FloatingPointError(f"{err}. The run stopped after round {r - 1} (its last checkpoint), "
+                                             "from which it would diverge again; to go on with other settings, "
+                                             f"start a new run: fedguide run {self.run_dir / 'config.yaml'} "
+                                             "--out NEW_FOLDER train.lr=<lower>") from None
                 metrics.append(m)
                 save_checkpoint(self.run_dir / "checkpoints",
                                 Checkpoint(r, global_w, method.server_state(), metrics,
-                                           wall0 + time.perf_counter() - t_run))
+                                           wall0 + time.perf_counter() - t_run, pinned_config(self.cfg), notes))
                 write_jsonl(self.run_dir / "metrics.jsonl", metrics)
                 ctx.store.commit(r)
                 ctx.server_store.commit(r)
                 self.log(round_line(m, rounds))
                 if task is not None:
                     self.progress.update(task, advance=1)
-            return self._finish(ctx, clients, global_w, metrics, wall0 + time.perf_counter() - t_run)
+            return self._finish(ctx, clients, global_w, metrics, wall0 + time.perf_counter() - t_run, notes)
         finally:
             clients.close()
+
+    def _check_resumable(self, ckpt: Checkpoint) -> dict[str, Any]:
+        """Refuse a resume whose config.yaml or data no longer describe the checkpointed run; the run's
+        notes, with ``rounds_raised_from`` when train.rounds was raised (the one change allowed)."""
+        saved = json.loads((self.run_dir / "partition.json").read_text())
+        if saved["counts"] != self._partition_record()["counts"]:
+            raise ConfigError(f"{self.run_dir}: the partition rebuilt from config.yaml differs from "
+                              "partition.json (the code or data changed); start a new run instead")
+        notes = dict(ckpt.notes)
+        if ckpt.config is None:  # a checkpoint written before configs were pinned
+            return notes
+        now = pinned_config(self.cfg)
+        old_rounds, new_rounds = ckpt.config["train"]["rounds"], now["train"]["rounds"]
+        same_but_rounds = {**now, "train": {**now["train"], "rounds": old_rounds}} == ckpt.config
+        if same_but_rounds and new_rounds > old_rounds:
+            self.log(f"train.rounds raised from {old_rounds} to {new_rounds}: the run continues to round {new_rounds}")
+            notes.setdefault("rounds_raised_from", old_rounds)
+            return notes
+        diff = config_differences(ckpt.config, now, ("checkpoint", "config.yaml"), limit=20)
+        if diff:
+            rule = ("train.rounds may only be raised" if same_but_rounds else
+                    "a run continues with the settings it was made with; only train.rounds may be raised")
+            raise ConfigError(f"{self.run_dir / 'config.yaml'} was edited since the run started ({rule}):\n  "
+                              + "\n  ".join(diff) + "\nundo the edit to resume, or start a new run: fedguide run "
+                              f"{self.run_dir / 'config.yaml'} --out NEW_FOLDER")
+        return notes
 
     def _round(self, r: int, ctx: RunContext, method: Method, clients: Executor, global_w: torch.Tensor):
         cfg = self.cfg
@@ -170,7 +234,7 @@ class Experiment:
         return global_w, m
 
     def _finish(self, ctx: RunContext, clients: Executor, global_w: torch.Tensor, metrics: list[dict],
-                wall: float) -> dict[str, Any]:
+                wall: float, notes: dict[str, Any]) -> dict[str, Any]:
         ctx.layout.load(ctx.model, global_w)
         state = {k: v.contiguous() for k, v in ctx.model.state_dict().items()}
         write_atomic(self.run_dir / "model.safetensors", lambda tmp: save_file(state, tmp))
@@ -202,6 +266,7 @@ class Experiment:
             "bytes_up_total": int(sum(m["bytes_up"] for m in metrics)),
             "bytes_down_total": int(sum(m["bytes_down"] for m in metrics)),
         }
+        summary.update(notes)
         summary.update(clients.finish(metrics))
         write_json(self.run_dir / "summary.json", summary)
         return summary

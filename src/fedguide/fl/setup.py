@@ -70,6 +70,12 @@ class Prepared:
 
 def prepare(cfg: Config) -> Prepared:
     cfg, params = resolve(cfg)
+    root = getattr(params["data"], "root", None)
+    # A run names its data: a data.root that does not exist must not fall back to another copy (the
+    # download folder, $FEDGUIDE_DATA, a system folder) while config.yaml records the missing one.
+    if root and not Path(root).expanduser().exists():
+        raise ConfigError(f"data.root {root} does not exist; fix the path, or remove data.root to use "
+                          "$FEDGUIDE_DATA and the default places")
     splits = DATASETS.get(cfg.data.name).obj(params["data"])
     labels = splits.train_y.numpy()
     pool = np.arange(len(labels))

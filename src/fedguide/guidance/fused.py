@@ -59,6 +59,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fedguide.core.atomic import write_atomic
+from fedguide.core.checksums import tensors_sha256
 from fedguide.registry import ConfigError
 
 POOLS = ("mean", "l2")
@@ -326,7 +327,7 @@ class _FittedFeatures:
         """One safetensors file: the bases as tensors, the recipe as JSON metadata; written atomically."""
         self._require_fitted("save()")
         tensors = {key: value.contiguous() for key, value in self.state_dict().items()}
-        metadata = {"recipe": json.dumps(self.recipe())}
+        metadata = {"recipe": json.dumps(self.recipe()), "sha256": tensors_sha256(tensors)}
         write_atomic(Path(path), lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
     @classmethod
@@ -342,16 +343,21 @@ class _FittedFeatures:
             if not isinstance(recipe, dict):
                 raise ValueError("recipe metadata is not a JSON object")
         except (SafetensorError, OSError, KeyError, ValueError) as err:
-            raise ConfigError(f"{path} is not a readable feature-basis file ({err}); delete it and fit again") from None
+            raise ConfigError(f"{path} is not a readable feature-basis file ({err}); delete it or rerun with "
+                              "--rebuild to fit it again") from None
+        # Bases written before digests were stored have none; every newer one must match its digest.
+        if "sha256" in metadata and tensors_sha256(tensors) != metadata["sha256"]:
+            raise ConfigError(f"{path}: the basis tensors do not match the sha256 stored with them (the file changed "
+                              "after it was written); delete it or rerun with --rebuild to fit it again")
         if recipe.get("name") != cls.NAME:
-            raise ConfigError(f"{path} holds a '{recipe.get('name')}' basis, not '{cls.NAME}'; "
-                              f"load it with the class of that recipe")
+            raise ConfigError(f"{path} holds a '{recipe.get('name')}' basis, not '{cls.NAME}'; load it with the class "
+                              "of that recipe, or delete it or rerun with --rebuild to fit this one")
         params = {key: value for key, value in recipe.items() if key != "name"}
         try:
             features = cls(**params)
             features.load_state_dict(tensors)
         except (ConfigError, TypeError) as err:
-            raise ConfigError(f"{path}: {err}") from None
+            raise ConfigError(f"{path}: {err}; delete it or rerun with --rebuild to fit it again") from None
         return features
 
     def __repr__(self) -> str:

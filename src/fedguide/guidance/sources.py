@@ -19,6 +19,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from fedguide.core.checksums import cached_file_sha256
 from fedguide.registry import ConfigError
 
 SUBFOLDERS = ("vae", "unet", "text_encoder", "tokenizer", "scheduler", "image_encoder", "feature_extractor",
@@ -85,10 +86,7 @@ def fingerprint(folder: Path, source: str) -> str:
         if f.suffix in (".json", ".txt"):
             digest.update(rel.encode() + f.read_bytes())
         elif f.suffix in _WEIGHT_SUFFIXES:
-            size = f.stat().st_size
-            with f.open("rb") as fh:
-                head = fh.read(1 << 20)
-                fh.seek(max(size - (1 << 20), 0))
-                tail = fh.read()
-            digest.update(f"{rel}:{size}".encode() + head + tail)
+            # The whole file: a change anywhere in the weights is another model. Read once per size and
+            # mtime (cached_file_sha256), so a multi-GB pipeline costs its read only the first time.
+            digest.update(f"{rel}:{cached_file_sha256(f)}".encode())
     return f"{source}@{digest.hexdigest()[:16]}"

@@ -57,6 +57,7 @@ from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
 
+from fedguide.core.checksums import file_sha256
 from fedguide.guidance.progress import progress as progress_bar
 from fedguide.registry import ConfigError
 
@@ -73,15 +74,6 @@ class FeatureCacheError(ConfigError):
 
 def _cache_error(file: Path, problem: str, folder: Path) -> FeatureCacheError:
     return FeatureCacheError(f"feature cache {file}: {problem}; delete {folder} or rerun with --rebuild")
-
-
-def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in ``chunk``-byte pieces so a large cache never sits in memory whole."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _canonical(value: Any, where: str) -> Any:

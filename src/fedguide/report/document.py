@@ -95,10 +95,13 @@ def render_markdown(runs: list[RunRecord], out_dir: Path, plots: Iterable[Path] 
         lines += [f"![{p.stem}]({p.name})" for p in dw] + [""]
     lines += ["## Runs", "", "| run | method | seed | status | git commit | path |", "|---|---|---:|---|---|---|"]
     for r in runs:
-        status = "complete" if r.complete else f"incomplete, {r.rounds_done}/{r.rounds_planned or '?'} rounds"
+        status = r.status
         commit = (r.git_commit or "n/a")[:12]
         lines.append("| " + " | ".join(_cell(c) for c in
                                          (r.name, r.method, r.seed, status, commit, _rel(r.path, out_dir))) + " |")
+    notes = [w for r in runs for w in r.warnings]
+    if notes:
+        lines += ["", "> **Warnings:**"] + [f"> - {w}" for w in notes]
     commits = {r.git_commit for r in runs if r.git_commit}
     if len(commits) > 1:
         # Results from different code versions may not be comparable; make that visible.

@@ -19,6 +19,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 PARTITION_FILE = "partition.json"
+STOPPED_FILE = "stopped.json"  # written by the engine when a run stops for good (it diverged)
 
 
 @dataclass
@@ -28,6 +29,8 @@ class RunRecord:
     summary: dict[str, Any] | None
     metrics: list[dict[str, Any]] = field(default_factory=list)
     partition: dict[str, Any] | None = None
+    stopped: dict[str, Any] | None = None  # why the run ended without a summary ({"reason": "diverged", ...})
+    warnings: list[str] = field(default_factory=list)  # what reading the run skipped
 
     # --- identity -------------------------------------------------------------
     @property
@@ -37,6 +40,14 @@ class RunRecord:
     @property
     def complete(self) -> bool:
         return self.summary is not None
+
+    @property
+    def status(self) -> str:
+        if self.complete:
+            return "complete"
+        if self.stopped and self.stopped.get("reason") == "diverged":
+            return f"diverged after round {self.stopped.get('after_round', '?')}"
+        return f"incomplete, {self.rounds_done}/{self.rounds_planned or '?'} rounds"
 
     def _section(self, key: str) -> dict[str, Any]:
         sec = self.config.get(key)
@@ -181,7 +192,7 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not valid JSON ({err})") from None
 
 
-def _read_metrics(path: Path, running: bool) -> list[dict[str, Any]]:
+def _read_metrics(path: Path, running: bool, warnings: list[str]) -> list[dict[str, Any]]:
     lines = path.read_text(encoding="utf-8").splitlines()
     rows: list[dict[str, Any]] = []
     for lineno, line in enumerate(lines, start=1):
@@ -190,8 +201,10 @@ def _read_metrics(path: Path, running: bool) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            # The engine may be mid-write on the last line of a live run; that is not damage.
+            # The engine may be mid-write on the last line of a live run; that is not damage, but say so.
             if running and lineno == len(lines):
+                warnings.append(f"{path}:{lineno}: skipped a line that is not valid JSON ({err}); the run may "
+                                "be writing it now")
                 break
             raise ValueError(f"{path}:{lineno}: not valid JSON ({err})") from None
         if not isinstance(row, dict):
@@ -204,7 +217,8 @@ def load_run(path: str | Path) -> RunRecord:
     """Load one run directory; raises ValueError if ``path`` is not one."""
     path = Path(path)
     metrics_path, summary_path = path / METRICS_FILE, path / SUMMARY_FILE
-    if not path.is_dir() or not (metrics_path.is_file() or summary_path.is_file()):
+    written = (metrics_path, summary_path, path / STOPPED_FILE)
+    if not path.is_dir() or not any(p.is_file() for p in written):
         what = "is not a directory" if not path.is_dir() else f"has neither {METRICS_FILE} nor {SUMMARY_FILE}"
         raise ValueError(
             f"{path} is not a run directory: it {what} "
@@ -228,7 +242,9 @@ def load_run(path: str | Path) -> RunRecord:
         if not isinstance(summary, dict):
             raise ValueError(f"{summary_path}: expected a JSON object, got {type(summary).__name__}")
 
-    metrics = _read_metrics(metrics_path, running=summary is None) if metrics_path.is_file() else []
+    warnings: list[str] = []
+    metrics = _read_metrics(metrics_path, summary is None, warnings) if metrics_path.is_file() else []
+    stopped = _read_json(path / STOPPED_FILE) if summary is None and (path / STOPPED_FILE).is_file() else None
 
     partition = None
     partition_path = path / PARTITION_FILE
@@ -237,7 +253,8 @@ def load_run(path: str | Path) -> RunRecord:
         if not isinstance(partition, dict) or not isinstance(partition.get("counts"), list):
             raise ValueError(f"{partition_path}: expected an object with a 'counts' list (clients x classes)")
 
-    return RunRecord(path=path, config=config, summary=summary, metrics=metrics, partition=partition)
+    return RunRecord(path=path, config=config, summary=summary, metrics=metrics, partition=partition,
+                     stopped=stopped, warnings=warnings)
 
 
 def as_records(runs: Iterable[RunRecord | str | Path]) -> list[RunRecord]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from fedguide.config import flat_keys
 from fedguide.report.runs import RunRecord, _fmt_value, as_records
 
 BEST_FOOTNOTE = (
@@ -17,6 +18,10 @@ BEST_FOOTNOTE = (
 STD_FOOTNOTE = (
     "± is the sample standard deviation (ddof=1) over seeds; \"n/a\" when there is a single seed. "
     "MB up/round = `bytes_up` from metrics.jsonl in units of 10⁶ bytes, averaged over rounds, then over seeds."
+)
+REPEATED_SEED_FOOTNOTE = (
+    "Runs marked \"seed repeated\" share every setting and their seed with another run: two runs of one seed are "
+    "not independent samples, so they are shown side by side, never averaged."
 )
 INCOMPLETE_FOOTNOTE = (
     "Incomplete runs (no summary.json yet) are listed on their own rows, after the complete ones, "
@@ -35,15 +40,25 @@ class Group:
     rounds: int | None
     runs: list[RunRecord]
     complete: bool
+    # The config keys (dotted) in which this row's runs differ from other rows' and their values here.
+    settings: dict[str, str] = field(default_factory=dict)
+    repeated_seed: bool = False  # a run whose seed and settings another run shares: never averaged
+
+    @property
+    def row_label(self) -> str:
+        """The method label and the run's state; the settings are separate columns of the table."""
+        if self.repeated_seed:
+            return f"{self.method_label} (seed {self.runs[0].seed} repeated)"
+        if self.complete:
+            return self.method_label
+        return f"{self.method_label} ({self.runs[0].status})"
 
     @property
     def label(self) -> str:
-        """Display name, also used as the legend entry in plots."""
-        if self.complete:
-            return self.method_label
-        run = self.runs[0]
-        planned = run.rounds_planned if run.rounds_planned is not None else "?"
-        return f"{self.method_label} (incomplete, {run.rounds_done}/{planned} rounds)"
+        """Display name with the settings that tell the rows apart, also the legend entry in plots."""
+        if not self.settings:
+            return self.row_label
+        return f"{self.row_label} [{', '.join(f'{k}={v}' for k, v in self.settings.items())}]"
 
     @property
     def seeds(self) -> list[Any]:
@@ -95,28 +110,58 @@ def _sort_key(g: Group) -> tuple:
     return (not g.complete, missing, -(m if not missing else 0.0), g.label, g.dataset, g.partition)
 
 
+# Config keys that say where or how a run was made, not what it computes: never a reason to split a row.
+NOT_SETTINGS = ("seed", "meta", "data.root", "guidance.rebuild", "guidance.feature_cache", "guidance.device")
+# Keys every row already shows in a column of its own (method parameters are in the method label).
+SHOWN = ("method", "data.name", "partition", "clients.num", "train.rounds")
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def differing_settings(runs: list[RunRecord]) -> list[str]:
+    """The dotted config keys whose value is not the same in every run (a missing key is a value too)."""
+    flats = [flat_keys(r.config) for r in runs]
+    keys = sorted({k for f in flats for k in f if not _under(k, NOT_SETTINGS)})
+    return [k for k in keys if len({_canonical(f.get(k, "<unset>")) for f in flats}) > 1]
+
+
 def group_runs(runs: Iterable[RunRecord]) -> list[Group]:
     """Rows in display order: complete groups by final mean accuracy (descending), then incomplete runs.
 
-    Clients and planned rounds are part of the key as well as (method, dataset, partition): averaging
-    a 50-round run with a 200-round one would produce a number that describes neither.
+    Runs share a row when they differ in their seed alone: every other config key that differs between
+    the runs (train.lr, data.fraction, ...) splits the rows and is shown. Two runs of the same seed and
+    settings are never averaged (they are not independent samples): each gets its own row, marked.
     """
     runs = list(runs)
     labels = method_labels(runs)
+    varying = [k for k in differing_settings(runs) if not _under(k, SHOWN)]
     complete: dict[tuple, Group] = {}
     rows: list[Group] = []
     for r in runs:
-        key = (labels[id(r)], r.dataset, r.partition_label, _canonical(r.num_clients), r.rounds_planned)
+        flat = flat_keys(r.config)
+        settings = {k: _fmt_value(flat[k]) if k in flat else "unset" for k in varying}
+        key = (labels[id(r)], r.dataset, r.partition_label, _canonical(r.num_clients), r.rounds_planned,
+               _canonical(settings))
         if r.complete:
             if key not in complete:
                 complete[key] = Group(labels[id(r)], r.dataset, r.partition_label, r.num_clients,
-                                      r.rounds_planned, [], True)
+                                      r.rounds_planned, [], True, settings)
                 rows.append(complete[key])
             complete[key].runs.append(r)
         else:
             rows.append(Group(labels[id(r)], r.dataset, r.partition_label, r.num_clients,
-                              r.rounds_planned, [r], False))
-    return sorted(rows, key=_sort_key)
+                              r.rounds_planned, [r], False, settings))
+    return sorted((row for g in rows for row in _split_repeated_seeds(g)), key=_sort_key)
+
+
+def _split_repeated_seeds(g: Group) -> list[Group]:
+    seeds = [_canonical(r.seed) for r in g.runs]
+    if len(set(seeds)) == len(seeds):
+        return [g]
+    return [Group(g.method_label, g.dataset, g.partition, g.clients, g.rounds, [r], g.complete, g.settings,
+                  repeated_seed=seeds.count(_canonical(r.seed)) > 1) for r in g.runs]
 
 
 def _pct_mean_std(vals: list[float]) -> str:
@@ -147,11 +192,14 @@ def results_table(runs: Iterable[RunRecord | str | Path], footnotes: bool = True
     """Markdown table, one row per (method label, dataset, partition) group of complete runs,
     plus one row per incomplete run."""
     runs = as_records(runs)
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * 7) + "|"]
-    for g in group_runs(runs):
+    groups = group_runs(runs)
+    extra = list(groups[0].settings) if groups else []  # the keys that tell rows apart, one column each
+    lines = ["| " + " | ".join(HEADER + extra) + " |",
+             "|" + "|".join(["---"] * 3 + ["---:"] * 7 + ["---"] * len(extra)) + "|"]
+    for g in groups:
         up = [v / 1e6 for v in g._values("bytes_up_per_round")]
         cells = [
-            g.label, g.dataset, g.partition,
+            g.row_label, g.dataset, g.partition,
             "n/a" if g.clients is None else g.clients,
             "n/a" if g.rounds is None else g.rounds,
             ", ".join(str(s) for s in g.seeds),
@@ -159,11 +207,14 @@ def results_table(runs: Iterable[RunRecord | str | Path], footnotes: bool = True
             _pct_mean_std(g._values("best_accuracy")),
             _mean(g._values("wall_seconds"), ".1f"),
             _mean(up, ".3f"),
+            *(g.settings[k] for k in extra),
         ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     text = "\n".join(lines) + "\n"
     if footnotes:
         notes = [BEST_FOOTNOTE, STD_FOOTNOTE]
+        if any(g.repeated_seed for g in groups):
+            notes.append(REPEATED_SEED_FOOTNOTE)
         if any(not r.complete for r in runs):
             notes.append(INCOMPLETE_FOOTNOTE)
         text += "\n" + "\n\n".join(notes) + "\n"

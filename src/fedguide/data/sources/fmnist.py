@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fedguide.data.sources._files import fetch_files, find_or_fetch
+from fedguide.data.sources._files import fetch_files, find_or_fetch, labels_int64
 from fedguide.data.sources._images import normalise
 from fedguide.data.sources.base import DATASETS, DatasetSplits, SourceParams
 from fedguide.registry import ConfigError
@@ -75,14 +75,17 @@ def load_fmnist(params: SourceParams) -> DatasetSplits:
         fetch_files({f"{stem}.gz": f"{URL}{stem}.gz" for stem in FILES.values()}),
         how=f"The Debian package 'dataset-fashion-mnist' installs it in {SYSTEM_DIR}.", system_dirs=(SYSTEM_DIR,))
     arrays = {k: read_idx(p) for k, p in found.items()}
+    labels = {}
     for split in ("train", "test"):
         if len(arrays[f"{split}_x"]) != len(arrays[f"{split}_y"]):
             raise ConfigError(f"Fashion-MNIST {split} images and labels differ in length; re-download them")
+        path = found[f"{split}_y"]  # a label outside 0..9 would be dropped by the partition, then crash training
+        labels[split] = labels_int64(arrays[f"{split}_y"], len(CLASS_NAMES), path, "Fashion-MNIST", LAYOUT)
     return DatasetSplits(
         train_x=normalise(torch.from_numpy(arrays["train_x"].copy()), MEAN, STD),
-        train_y=torch.from_numpy(arrays["train_y"].astype(np.int64)),
+        train_y=labels["train"],
         test_x=normalise(torch.from_numpy(arrays["test_x"].copy()), MEAN, STD),
-        test_y=torch.from_numpy(arrays["test_y"].astype(np.int64)),
+        test_y=labels["test"],
         class_names=list(CLASS_NAMES),
         pixel_stats=(MEAN, STD),
     )

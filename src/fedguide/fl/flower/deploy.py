@@ -13,8 +13,17 @@ The round loop's clients are ``deployed_clients.DeployedClients``, the executor 
 runtime (``fl/runtimes/flower.py``), which the ServerApp hands a Grid.
 
 Decisions:
-- The SuperLink and the clients run without TLS (``--insecure``): fine on localhost or a trusted
-  network; see README "Running on several machines".
+- Security (README "Running on several machines"): with ``runtime.tls`` the SuperLink serves HTTPS
+  (Flower's ``--ssl-ca-certfile/--ssl-certfile/--ssl-keyfile``) and ``flwr run`` checks it against the
+  CA (``root-certificates`` in the run's FLWR_HOME/config.toml); with ``runtime.auth.public_keys``
+  it starts with ``--enable-supernode-auth`` and ``serve`` registers every listed key
+  (``flwr supernode register``) before the run, so only those SuperNodes are admitted. Without
+  ``runtime.tls`` it runs ``--insecure``, which ``serve`` allows beyond loopback only with an
+  explicit ``--insecure``. Flower 1.42 hands the same certificates to the SuperLink's own
+  ServerApp, whose Runtime API connection (to 127.0.0.1 or the ``--host`` address) is then TLS too.
+- The SuperLink runs behind ``processes.LocalControl``: its Control and Runtime APIs (submit a run,
+  register a key) answer this machine only, since Flower 1.42 serves them on the Fleet API's port
+  without authentication.
 """
 from __future__ import annotations
 
@@ -23,21 +32,23 @@ import subprocess
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import fedguide
 from fedguide.config import Config, load_config, to_yaml
 from fedguide.core.atomic import write_json, write_text
 from fedguide.fl.engine import Experiment
 from fedguide.fl.flower.messages import FlowerRuntimeFailed
-from fedguide.fl.flower.processes import command_line, descendants, flower_command, flower_env, log_tail, port_open, start, stop_tree
+from fedguide.fl.flower.processes import (command_line, descendants, flower_command, flower_env, is_loopback, log_tail,
+                                          port_open, start, stop_tree, superlink_command)
 from fedguide.fl.flower.protocol import APP_NAME, APP_PUBLISHER
-from fedguide.fl.runtimes.flower import Deployment
+from fedguide.fl.runtimes.flower import Deployment, TLSParams, flower_params, public_keys_in
 from fedguide.fl.setup import Prepared, load_run_config, prepare
 from fedguide.registry import ConfigError
 
 START_TIMEOUT_S = 300  # the SuperLink up, the ServerApp process started; a busy machine takes a while
 SUBMIT_TIMEOUT_S = 120
+REGISTER_AT_ONCE = 4  # `flwr supernode register` processes running together
 CONNECTION = "fedguide"  # the SuperLink connection's name in the run's FLWR_HOME/config.toml
 
 
@@ -114,20 +125,62 @@ def superlink_port(cfg: Config) -> int:
     return int(cfg.runtime.superlink.rpartition(":")[2])
 
 
-class SuperLink:
-    """A ``flower-superlink`` process (and the ServerApps it starts) serving runs from ``folder``."""
+def check_certificate(host: str, port: int, tls: TLSParams) -> None:
+    """The SuperLink's certificate verifies against the CA for ``host``, the address ``serve``'s
+    ``flwr`` commands and the ServerApp connect to; a clear error otherwise (Flower's is 'unavailable')."""
+    import ipaddress
+    import socket
+    import ssl
 
-    def __init__(self, folder: Path, port: int, host: str = "127.0.0.1"):
+    context = ssl.create_default_context(cafile=str(tls.ca))
+    try:
+        with socket.create_connection((host, port), timeout=30) as raw:
+            with context.wrap_socket(raw, server_hostname=host):
+                pass
+    except ssl.SSLCertVerificationError as err:
+        try:
+            san = f"IP:{ipaddress.ip_address(host)}"
+        except ValueError:
+            san = f"DNS:{host}"
+        raise ConfigError(f"the SuperLink's certificate {tls.cert} does not verify for {host} against "
+                          f"runtime.tls.ca {tls.ca}: {str(err.verify_message).rstrip('.')}. It must be signed by that "
+                          f"CA and name {host} (subjectAltName {san}: this machine reaches the SuperLink there) "
+                          "besides the address the clients use") from None
+    except (ssl.SSLError, OSError) as err:
+        raise FlowerRuntimeFailed(f"a TLS connection to the SuperLink at {host}:{port} failed: {err}") from None
+
+
+class SuperLink:
+    """A ``flower-superlink`` process (and the ServerApps it starts) serving runs from ``folder``.
+
+    ``tls``: serve HTTPS with its cert/key (else plain HTTP, ``--insecure``); ``public_keys``: the
+    OpenSSH public keys of the only SuperNodes admitted (needs ``tls``), registered before it returns.
+    """
+
+    def __init__(self, folder: Path, port: int, host: str = "127.0.0.1", tls: Optional[TLSParams] = None,
+                 public_keys: Sequence[str] = ()):
         self.folder = Path(folder).resolve()
         self.home = self.folder / "home"
         self.log_path = self.folder / "superlink.log"
-        self.env = flower_env(self.home)
+        self.env = {**flower_env(self.home), "FORWARDED_ALLOW_IPS": "127.0.0.1"}  # see processes.LocalControl
         reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        self.address = f"{reach}:{port}"
+        self.address = f"[{reach}]:{port}" if ":" in reach else f"{reach}:{port}"
         if port_open(reach, port):
             raise ConfigError(f"port {port} on {reach} is already in use; set runtime.superlink to a free port")
-        self.proc = start([flower_command("flower-superlink"), "--insecure", "--host", host, "--port", str(port),
-                           "--disable-runtime-dependency-installation"], self.env, self.log_path)
+        if public_keys and (tls is None or tls.cert is None):
+            raise ConfigError("SuperNode authentication needs TLS: set runtime.tls.ca, runtime.tls.cert and "
+                              "runtime.tls.key on the server")
+        if tls is not None and (tls.cert is None or tls.key is None):
+            raise ConfigError("runtime.tls on the server needs cert and key (the SuperLink's certificate and its "
+                              "private key) besides ca")
+        args = ["--host", host, "--port", str(port), "--disable-runtime-dependency-installation"]
+        if tls is None:
+            args.append("--insecure")
+        else:
+            args += ["--ssl-ca-certfile", str(tls.ca), "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key)]
+        if public_keys:
+            args.append("--enable-supernode-auth")
+        self.proc = start(superlink_command(args), self.env, self.log_path)
         try:
             deadline = time.time() + START_TIMEOUT_S
             while not port_open(reach, port):
@@ -135,13 +188,44 @@ class SuperLink:
                     raise FlowerRuntimeFailed(f"the SuperLink did not start; last lines of {self.log_path}:\n"
                                               f"{log_tail(self.log_path)}")
                 time.sleep(0.1)
+            if tls is not None:
+                check_certificate(reach, port, tls)
             self.home.mkdir(parents=True, exist_ok=True)
-            # `flwr run` finds the SuperLink through FLWR_HOME/config.toml.
+            # `flwr run` and `flwr supernode register` find the SuperLink through FLWR_HOME/config.toml.
+            trust = "insecure = true" if tls is None else f"root-certificates = {json.dumps(str(tls.ca))}"
             write_text(self.home / "config.toml", f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-                                                  f'[superlink.{CONNECTION}]\naddress = "{self.address}"\ninsecure = true\n')
+                                                  f'[superlink.{CONNECTION}]\naddress = "{self.address}"\n{trust}\n')
+            self.nodes = self.register(public_keys)
         except BaseException:
             self.close()
             raise
+
+    def register(self, public_keys: Sequence[str]) -> dict[str, int]:
+        """Admit the SuperNodes of these OpenSSH public keys (``flwr supernode register``); key -> node id."""
+        keys = list(dict.fromkeys(k.strip() for k in public_keys))
+        folder = self.folder / "supernode-keys"
+        nodes: dict[str, int] = {}
+        for first in range(0, len(keys), REGISTER_AT_ONCE):
+            running = []
+            for i, key in enumerate(keys[first:first + REGISTER_AT_ONCE], first):
+                path = folder / f"{i}.pub"
+                write_text(path, key + "\n")
+                running.append((key, path, subprocess.Popen(
+                    [flower_command("flwr"), "supernode", "register", str(path), CONNECTION, "--format", "json"],
+                    env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+            for key, path, proc in running:
+                try:
+                    out = proc.communicate(timeout=SUBMIT_TIMEOUT_S)[0]
+                except subprocess.TimeoutExpired:
+                    stop_tree(proc)
+                    raise FlowerRuntimeFailed(f"flwr supernode register {path} did not return within "
+                                              f"{SUBMIT_TIMEOUT_S} s") from None
+                answer = _json_in(out)
+                if not answer.get("success"):
+                    raise FlowerRuntimeFailed(f"the SuperLink did not register the public key {path} "
+                                              f"({key[:40]}...): {answer.get('error-message') or out.strip()}")
+                nodes[key] = int(answer["node-id"])
+        return nodes
 
     def __enter__(self) -> "SuperLink":
         return self
@@ -159,10 +243,7 @@ class SuperLink:
                                  env=self.env, capture_output=True, text=True, timeout=SUBMIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise FlowerRuntimeFailed(f"flwr run did not return within {SUBMIT_TIMEOUT_S} s") from None
-        try:
-            answer = json.loads(out.stdout[out.stdout.index("{"):])
-        except ValueError:
-            answer = {}
+        answer = _json_in(out.stdout)
         if not answer.get("success"):
             raise FlowerRuntimeFailed(f"flwr run failed: {answer.get('error-message') or out.stderr or out.stdout}")
         return str(answer["run-id"])
@@ -197,6 +278,14 @@ class SuperLink:
             time.sleep(poll_s)
 
 
+def _json_in(text: str) -> dict[str, Any]:
+    """The JSON object ``flwr ... --format json`` prints after its other output; {} if none."""
+    try:
+        return json.loads(text[text.index("{"):])
+    except ValueError:
+        return {}
+
+
 def _echo(path: Path, offset: int, log: Callable[[str], None]) -> int:
     try:
         with open(path, encoding="utf-8") as fh:
@@ -228,9 +317,30 @@ def start_run(link: SuperLink, run_dir: Path, cfg: Optional[Config], resume: boo
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def check_exposure(host: str, tls: Optional[TLSParams], insecure: bool) -> Optional[str]:
+    """Refuse a SuperLink that other machines reach without TLS unless ``--insecure`` says so; the
+    warning to print, if any."""
+    if insecure and tls is not None:
+        raise ConfigError("--insecure and runtime.tls contradict each other: drop --insecure to serve over TLS, "
+                          "or remove runtime.tls")
+    if is_loopback(host):
+        return None
+    if tls is None and not insecure:
+        raise ConfigError(f"--host {host} lets other machines reach the SuperLink: set runtime.tls (ca, cert, key) "
+                          "and runtime.auth.public_keys so the traffic is encrypted and only your clients join "
+                          "(README \"Running on several machines\"), or pass --insecure to serve plain HTTP on a "
+                          "network you trust")
+    if tls is None:
+        return (f"warning: --insecure: the SuperLink on {host} speaks plain HTTP, and any machine that reaches its "
+                f"port can join as a client")
+    return None
+
+
 def serve(run_dir: Path, cfg: Optional[Config] = None, resume: bool = False, host: str = "127.0.0.1",
-          log: Callable[[str], None] = print) -> dict[str, Any]:
-    """``fedguide serve``: a SuperLink for one run, the run, and every process stopped at the end."""
+          log: Callable[[str], None] = print, insecure: bool = False) -> dict[str, Any]:
+    """``fedguide serve``: a SuperLink for one run, the run, and every process stopped at the end.
+
+    A ``host`` beyond loopback needs ``runtime.tls`` or ``insecure``."""
     if resume:
         cfg = load_run_config(run_dir)
     elif cfg is None:
@@ -239,7 +349,25 @@ def serve(run_dir: Path, cfg: Optional[Config] = None, resume: bool = False, hos
         raise ConfigError(f"fedguide serve runs runtime.name=flower; this config has {cfg.runtime.name!r} "
                           "(set runtime.name=flower, or use fedguide run)")
     flower_dir = Path(run_dir).resolve() / "flower"
-    with SuperLink(flower_dir, superlink_port(cfg), host) as link:
-        log(f"SuperLink listening on {host}:{superlink_port(cfg)} (log {link.log_path}); clients connect to "
-            f"{cfg.runtime.superlink}")
+    with open_superlink(cfg, flower_dir, host, insecure, log) as link:
         return start_run(link, run_dir, cfg, resume, log)
+
+
+def open_superlink(cfg: Config, folder: Path, host: str = "127.0.0.1", insecure: bool = False,
+                   log: Callable[[str], None] = print) -> SuperLink:
+    """The SuperLink ``serve`` runs for ``cfg``: refused beyond loopback without TLS unless ``insecure``,
+    with TLS from ``runtime.tls`` and the keys of ``runtime.auth.public_keys`` registered."""
+    params = flower_params(cfg)
+    warning = check_exposure(host, params.tls, insecure)
+    if warning:
+        log(warning)
+    keys = [k for path in (params.auth.public_keys if params.auth else []) for k in public_keys_in(path)]
+    if params.tls is not None and not keys and not is_loopback(host):
+        log("warning: runtime.auth.public_keys is not set: any machine that reaches the SuperLink's port can join "
+            "as a client")
+    link = SuperLink(folder, superlink_port(cfg), host, tls=params.tls, public_keys=keys)
+    security = "TLS" if params.tls else "plain HTTP"
+    security += f", {len(link.nodes)} SuperNode keys admitted" if keys else ""
+    log(f"SuperLink listening on {host}:{superlink_port(cfg)} ({security}; log {link.log_path}); clients connect to "
+        f"{cfg.runtime.superlink}")
+    return link

@@ -26,6 +26,16 @@ Decisions:
 - The ClientApp finds the client's config and folder in the SuperNode's node config
   (``fedguide-config``, ``fedguide-dir``, beside Flower's ``partition-id``/``num-partitions``),
   written as a TOML file so any path survives.
+- Security: with ``runtime.tls.ca`` the SuperNode connects over TLS (``--root-certificates``),
+  else plain HTTP (``--insecure``), which a SuperLink beyond loopback needs ``--insecure`` for;
+  with ``runtime.auth.private_key`` it proves that key to the SuperLink
+  (``--auth-supernode-private-key``). The SuperNode's own Runtime API, which this process polls, stays
+  plain HTTP on 127.0.0.1 (Flower's default; nothing leaves the machine).
+- A SuperLink that refuses the SuperNode's key (not registered there, Flower's error 2004) may not
+  have registered it yet (``fedguide serve`` registers its allow-list right after the SuperLink
+  starts), so the client retries for ``runtime.connect_timeout`` seconds, then stops with the
+  refusal named; a SuperLink that requires a key this client lacks (error 2001), or a certificate
+  that does not verify against ``runtime.tls.ca``, stops it at once.
 """
 from __future__ import annotations
 
@@ -44,8 +54,8 @@ import torch
 from fedguide.config import Config, load_config, to_yaml
 from fedguide.core.atomic import write_text
 from fedguide.fl.flower.messages import FlowerRuntimeFailed, train_reply
-from fedguide.fl.flower.processes import (FLOWER_ENV, flower_command, flower_env, free_port, log_tail, start,
-                                          stop_tree)
+from fedguide.fl.flower.processes import (FLOWER_ENV, address_host, flower_command, flower_env, free_port, is_loopback,
+                                          log_tail, start, stop_tree)
 from fedguide.fl.flower.protocol import APP_NAME, APP_PUBLISHER, comparable, fingerprint
 from fedguide.fl.flower.records import encode
 from fedguide.core.state import ClientStateStore
@@ -56,6 +66,11 @@ from fedguide.registry import ConfigError
 POLL_MIN_S, POLL_MAX_S = 0.01, 0.2  # asking the SuperNode for a task: quick after a task, then backing off
 RUNTIME_RETRY_S = 20  # transport errors to the local SuperNode are retried this long
 RESTART_MIN_UPTIME_S = 10  # a SuperNode that stops sooner is failing, not being replaced
+REFUSED_RETRY_S = 2  # pause before a refused SuperNode tries again
+NOT_REGISTERED = "[code: 2004]"  # Flower 1.42's FLEET_NODE_ACTIVATION_FAILED: this key is not registered
+KEY_REQUIRED = "[code: 2001]"  # FLEET_SUPERNODE_REGISTRATION_DISABLED: the SuperLink admits registered keys only
+CONNECT_FAILED = "Failed to initialize the connection to the SuperLink."  # Flower's exit code 305
+CERTIFICATE_FAILED = "CERTIFICATE_VERIFY_FAILED"  # the SuperLink's certificate does not verify against the CA
 
 
 class ClientNode:
@@ -324,14 +339,45 @@ def node_config_toml(values: dict[str, Any]) -> str:
     return tomli_w.dumps(values)
 
 
+def check_connection(address: str, tls, insecure: bool) -> None:
+    """Refuse plain HTTP to a SuperLink on another machine unless ``--insecure`` says so."""
+    if insecure and tls is not None:
+        raise ConfigError("--insecure and runtime.tls contradict each other: drop --insecure to connect over TLS, "
+                          "or remove runtime.tls")
+    if tls is None and not insecure and not is_loopback(address_host(address)):
+        raise ConfigError(f"the SuperLink {address} is on another machine: set runtime.tls.ca to the CA certificate "
+                          "that signed its certificate (and runtime.auth.private_key to this client's key if the "
+                          "server authenticates clients), or pass --insecure to connect over plain HTTP on a "
+                          "network you trust")
+
+
+class Security:
+    """How this client's SuperNodes reach the SuperLink: TLS (the CA's certificate) and the key they
+    authenticate with, or plain HTTP."""
+
+    def __init__(self, ca: Optional[Path] = None, private_key: Optional[Path] = None):
+        self.ca, self.private_key = ca, private_key
+
+    def args(self) -> list[str]:
+        out = ["--root-certificates", str(self.ca)] if self.ca else ["--insecure"]
+        return out + (["--auth-supernode-private-key", str(self.private_key)] if self.private_key else [])
+
+
 def run_client_node(cfg: Config, partition_id: int, folder: Path, superlink: Optional[str] = None,
-                    log: Callable[[str], None] = print) -> None:
+                    log: Callable[[str], None] = print, insecure: bool = False) -> None:
     """Start this machine's SuperNode for client ``partition_id`` and serve it until interrupted; a
-    SuperNode that stops is replaced. Raises FlowerRuntimeFailed when one stops right after starting.
+    SuperNode that stops is replaced. Raises FlowerRuntimeFailed when one stops right after starting,
+    or when the SuperLink refuses this client for ``runtime.connect_timeout`` seconds.
     """
+    from fedguide.fl.runtimes.flower import flower_params
+
     if not 0 <= partition_id < cfg.clients.num:
         raise ConfigError(f"--partition-id {partition_id} is outside 0..{cfg.clients.num - 1} "
                           f"(clients.num is {cfg.clients.num})")
+    params = flower_params(cfg)
+    address = superlink or cfg.runtime.superlink
+    check_connection(address, params.tls, insecure)
+    security = Security(params.tls.ca if params.tls else None, params.auth.private_key if params.auth else None)
     folder = Path(folder).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     config_path = folder / "config.yaml"
@@ -342,30 +388,77 @@ def run_client_node(cfg: Config, partition_id: int, folder: Path, superlink: Opt
     long_lived = cfg.runtime.client_process == "long-lived"
     if long_lived:  # the data is loaded now: a machine without it fails before connecting
         _NODES[(str(config_path), partition_id, str(folder))] = ClientNode(config_path, partition_id, folder)
-    address = superlink or cfg.runtime.superlink
     log_path = folder / "supernode.log"
     log(f"client {partition_id} of {cfg.clients.num}: SuperNode connecting to {address} "
-        f"({'long-lived' if long_lived else 'per-message'} ClientApp; log {log_path})")
+        f"({'TLS' if security.ca else 'plain HTTP'}{', authenticated' if security.private_key else ''}; "
+        f"{'long-lived' if long_lived else 'per-message'} ClientApp; log {log_path})")
     restore = _stop_on_sigterm()
+    refused_since: Optional[float] = None
     try:
         while True:
             started = time.time()
-            code = _run_supernode(address, node_config, folder, long_lived, log)
-            if time.time() - started < RESTART_MIN_UPTIME_S:
-                raise FlowerRuntimeFailed(f"the SuperNode of client {partition_id} stopped (exit code {code}) "
-                                          f"right after it started; last lines of {log_path}:\n{log_tail(log_path)}")
-            # A SuperNode ends itself when its SuperLink restarts (a new `fedguide serve`): it is not
-            # registered there. A fresh one registers, so the client serves the next run too.
-            log(f"the SuperNode stopped (exit code {code}); starting a new one")
+            offset = log_path.stat().st_size if log_path.exists() else 0
+            code = _run_supernode(address, node_config, folder, long_lived, log, security)
+            said = _read_from(log_path, offset)  # a refusal ends a SuperNode however long it tried to connect
+            if KEY_REQUIRED in said:
+                raise FlowerRuntimeFailed(
+                    f"the SuperLink {address} admits registered SuperNodes only: set runtime.auth.private_key to "
+                    f"this client's key, and have the server list its public key in runtime.auth.public_keys")
+            if NOT_REGISTERED in said:
+                first = refused_since is None
+                refused_since = refused_since or time.time()
+                waited = time.time() - refused_since
+                if waited > params.connect_timeout:
+                    raise FlowerRuntimeFailed(
+                        f"the SuperLink {address} refused client {partition_id}'s SuperNode for {waited:.0f} s "
+                        f"(runtime.connect_timeout={params.connect_timeout:g}): its key "
+                        f"{security.private_key or '(none)'} is not registered there; the server's "
+                        "runtime.auth.public_keys must list its public key")
+                if first:
+                    log(f"the SuperLink refused this SuperNode's key (not registered there yet?); retrying for "
+                        f"up to runtime.connect_timeout={params.connect_timeout:g} s")
+                time.sleep(REFUSED_RETRY_S)
+                continue
+            refused_since = None
+            if CERTIFICATE_FAILED in said:
+                raise FlowerRuntimeFailed(
+                    f"the TLS connection to the SuperLink {address} failed: {_reason(said)} (runtime.tls.ca must be "
+                    "the CA that signed the SuperLink's certificate, and the certificate must name the address "
+                    "connected to)")
+            if time.time() - started >= RESTART_MIN_UPTIME_S:
+                # A SuperNode ends itself when its SuperLink restarts (a new `fedguide serve`): it is not
+                # registered there. A fresh one registers, so the client serves the next run too.
+                log(f"the SuperNode stopped (exit code {code}); starting a new one")
+                continue
+            raise FlowerRuntimeFailed(f"the SuperNode of client {partition_id} stopped (exit code {code}) "
+                                      f"right after it started; last lines of {log_path}:\n{log_tail(log_path)}")
     finally:
         restore()
 
 
+def _reason(said: str) -> str:
+    """The line after Flower's 'Failed to initialize the connection' in a SuperNode's log."""
+    lines = said.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if CONNECT_FAILED in line:
+            return lines[i + 1].strip()
+    return "see its log"
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _run_supernode(address: str, node_config: Path, folder: Path, long_lived: bool,
-                   log: Callable[[str], None]) -> Optional[int]:
+                   log: Callable[[str], None], security: Optional[Security] = None) -> Optional[int]:
     """Run one SuperNode (and, long-lived, its tasks here) until it exits; its exit code."""
     runtime_port = free_port()
-    args = [flower_command("flower-supernode"), "--insecure", "--superlink", address,
+    args = [flower_command("flower-supernode"), *(security or Security()).args(), "--superlink", address,
             "--host", "127.0.0.1", "--port", str(runtime_port), "--node-config", str(node_config),
             "--isolation", "process" if long_lived else "subprocess"]
     supernode = start(args, flower_env(folder / "flwr_home"), folder / "supernode.log")

@@ -13,10 +13,20 @@ Decisions:
   still tells its SuperLink that it is leaving.
 - ``stop_tree`` collects the whole tree before signalling anything: Flower starts some helpers in
   a session of their own, and a child whose parent died first would be re-parented out of reach.
+- The SuperLink runs as ``python -m fedguide.fl.flower.processes superlink ARGS`` (``run_superlink``):
+  Flower 1.42's ``flower-superlink`` with one more middleware, ``LocalControl``. Flower serves its
+  Fleet API (SuperNodes), Control API (``flwr run``, ``flwr supernode register``) and Runtime API
+  (the ServerApp) on one port, and its Control API has no account authentication outside Flower's
+  enterprise edition: whoever reaches the port could submit a run (code that the SuperLink's
+  ServerApp process would import) or register a SuperNode key of their own. ``LocalControl``
+  answers requests from other machines for the Fleet API only (403 for the rest); ``fedguide
+  serve`` and the ServerApp connect from this machine. It takes the peer address the server saw,
+  after uvicorn's proxy-header rewrite, which trusts ``X-Forwarded-For`` from 127.0.0.1 only.
 """
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 import signal
 import socket
@@ -145,3 +155,101 @@ def log_tail(path: Path, lines: int = 15) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+# ---- addresses and the SuperLink ----------------------------------------------------------------------
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (127.0.0.0/8, ::1, localhost); 0.0.0.0 and :: do not."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def address_host(address: str) -> str:
+    """The host of ``host:port`` (IPv6 in brackets allowed)."""
+    return address.rpartition(":")[0].strip("[]")
+
+
+OPEN_PREFIXES = ("/v1/fleet/",)  # what other machines may ask the SuperLink: the SuperNodes' Fleet API
+
+
+class LocalControl:
+    """ASGI middleware: requests from other machines reach only the Fleet API (``OPEN_PREFIXES``);
+    the Control and Runtime APIs (and anything else) answer them 403. ``local`` holds the addresses
+    that count as this machine besides loopback (the address the SuperLink listens on)."""
+
+    def __init__(self, app, local: Sequence[str] = ()):
+        self.app = app
+        self.local = {_normal(a) for a in local}
+
+    def allowed(self, scope) -> bool:
+        if scope["type"] not in ("http", "websocket") or scope.get("path", "").startswith(OPEN_PREFIXES):
+            return True
+        client = scope.get("client")
+        peer = _normal(client[0]) if client else ""
+        return is_loopback(peer) or peer in self.local
+
+    async def __call__(self, scope, receive, send):
+        if self.allowed(scope):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        body = (b"fedguide: this SuperLink answers its Control and Runtime APIs on its own machine only; "
+                b"other machines reach its Fleet API (SuperNodes)\n")
+        await send({"type": "http.response.start", "status": 403,
+                    "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _normal(address: str) -> str:
+    try:
+        ip = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        return address
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
+
+
+def _addresses_of(host: str) -> list[str]:
+    if host in ("", "0.0.0.0", "::") or is_loopback(host):
+        return []
+    try:
+        return sorted({info[4][0] for info in socket.getaddrinfo(host, None)})
+    except OSError:
+        return [host]
+
+
+def superlink_command(args: Sequence[str]) -> list[str]:
+    """The command that runs ``flower-superlink ARGS`` behind ``LocalControl``."""
+    return [sys.executable, "-m", "fedguide.fl.flower.processes", "superlink", *args]
+
+
+def run_superlink(args: Sequence[str]) -> None:
+    """``flower-superlink ARGS`` (Flower 1.42) with ``LocalControl`` outermost in its HTTP app."""
+    import argparse
+
+    from starlette.middleware import Middleware
+    import flwr.superlink.main as superlink_app
+    from flwr.superlink.cli import flower_superlink
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--host", default="127.0.0.1")
+    host = parser.parse_known_args(list(args))[0].host
+    flower_middleware = superlink_app._get_middleware  # pylint: disable=protected-access
+
+    def middleware():
+        return [Middleware(LocalControl, local=_addresses_of(host)), *flower_middleware()]
+
+    superlink_app._get_middleware = middleware  # pylint: disable=protected-access
+    sys.argv = ["flower-superlink", *args]
+    sys.exit(flower_superlink())
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["superlink"]:
+        sys.exit("usage: python -m fedguide.fl.flower.processes superlink [flower-superlink options]")
+    run_superlink(sys.argv[2:])

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedguide.config import Config
+from fedguide.config import Config, config_differences
 
 APP_PUBLISHER = "fedguide"
 APP_NAME = "fedguide-run"
@@ -49,22 +49,9 @@ def fingerprint(cfg: Config) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix[:-1]: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}."))
-    return out
-
-
 def differences(server: dict[str, Any], client: dict[str, Any], limit: int = 8) -> list[str]:
     """'key: server value vs client value' for every key the two comparable configs disagree on."""
-    a, b = _flat(server), _flat(client)
-    missing = object()
-    lines = [f"{k}: {a.get(k, '(unset)')!r} (server) vs {b.get(k, '(unset)')!r} (client)"
-             for k in sorted(set(a) | set(b)) if a.get(k, missing) != b.get(k, missing)]
-    return lines[:limit] + ([f"... and {len(lines) - limit} more"] if len(lines) > limit else [])
+    return config_differences(server, client, ("server", "client"), limit)
 
 
 def run_key(run_dir: Path) -> str:

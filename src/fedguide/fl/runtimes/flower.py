@@ -2,17 +2,131 @@
 machines as there are. ``fedguide serve`` starts it (fl/flower/deploy.py: the SuperLink and the
 ServerApp, which runs the round loop with this runtime and the deployment's Grid); every client
 machine runs ``fedguide client`` (fl/flower/node.py). Its executor is
-``fl.flower.deployed_clients.DeployedClients``."""
+``fl.flower.deployed_clients.DeployedClients``.
+
+``runtime.tls`` and ``runtime.auth`` are Flower's TLS and SuperNode authentication for a deployment
+beyond this machine: paths on the machine that reads the config (server and clients may differ; the
+config fingerprint leaves ``runtime`` out), checked here so a missing file fails before any process
+starts."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from fedguide.fl.flower.deployed_clients import ClientStatesOnClients, DeployedClients
 from fedguide.fl.runtimes.base import DEFAULT_THREADS, RUNTIMES, Executor, RunHandle, Runtime
 from fedguide.registry import ConfigError
+
+NIST_CURVES = ("secp256r1", "secp384r1", "secp521r1")
+HOW_TO_MAKE = 'README "Running on several machines" shows how to make them'
+
+
+def _existing_file(value: Optional[Path], where: str, what: str) -> Optional[Path]:
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{value} is not a file on this machine; set {where} to {what} ({HOW_TO_MAKE})")
+    return path.resolve()
+
+
+def public_keys_in(path: Path) -> list[str]:
+    """The OpenSSH public keys of a file (one a line, '#' comments and blank lines skipped), each
+    checked to be an EC key on a NIST curve, the kind Flower's SuperNode authentication takes."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_public_key
+
+    keys = []
+    for number, line in enumerate(Path(path).read_text(errors="replace").splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            key = load_ssh_public_key(line.encode())
+        except (ValueError, TypeError, UnsupportedAlgorithm) as err:
+            raise ValueError(f"{path} line {number} is not an OpenSSH public key ({err})") from None
+        if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name not in NIST_CURVES:
+            raise ValueError(f"{path} line {number} is not an ECDSA key on a NIST curve (make one with "
+                             "ssh-keygen -t ecdsa -b 384)")
+        keys.append(line)
+    if not keys:
+        raise ValueError(f"{path} holds no public key")
+    return keys
+
+
+class TLSParams(BaseModel):
+    """Flower's TLS: the SuperLink serves HTTPS with ``cert``/``key``; the SuperNodes and the server's own
+    ``flwr``/ServerApp connections check it against ``ca``."""
+    model_config = ConfigDict(extra="forbid")
+    ca: Path = Field(description="PEM certificate of the CA that signed the SuperLink's certificate (server and "
+                                 "clients)")
+    cert: Optional[Path] = Field(None, description="server: the SuperLink's PEM certificate, naming the address the "
+                                                   "clients use and 127.0.0.1 (or the --host address)")
+    key: Optional[Path] = Field(None, description="server: the PEM private key of cert")
+
+    @field_validator("ca", "cert", "key")
+    @classmethod
+    def _exists(cls, value: Optional[Path], info: ValidationInfo) -> Optional[Path]:
+        what = {"ca": "the CA certificate (PEM)", "cert": "the SuperLink's certificate (PEM)",
+                "key": "the SuperLink's private key (PEM)"}[info.field_name]
+        return _existing_file(value, f"runtime.tls.{info.field_name}", what)
+
+    @model_validator(mode="after")
+    def _pair(self) -> "TLSParams":
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("runtime.tls.cert and runtime.tls.key go together (the SuperLink's certificate and "
+                             "its private key, on the server)")
+        return self
+
+
+class AuthParams(BaseModel):
+    """Flower's SuperNode authentication: the SuperLink admits the SuperNodes whose public keys
+    ``fedguide serve`` registered (the allow-list), each proving its key with every request."""
+    model_config = ConfigDict(extra="forbid")
+    public_keys: list[Path] = Field(
+        default_factory=list, description="server: the allow-list, files of OpenSSH ECDSA public keys (one a line) of "
+                                          "the clients' SuperNodes; registered when 'fedguide serve' starts, any "
+                                          "other SuperNode is refused")
+    private_key: Optional[Path] = Field(
+        None, description="client: this client's SuperNode private key, OpenSSH ECDSA without a passphrase "
+                          "(ssh-keygen -t ecdsa -b 384 -N '' -f client-0)")
+
+    @field_validator("public_keys")
+    @classmethod
+    def _public(cls, value: list[Path]) -> list[Path]:
+        what = "files of the clients' OpenSSH public keys"
+        paths = [_existing_file(p, "runtime.auth.public_keys", what) for p in value]
+        for path in paths:
+            public_keys_in(path)
+        return paths
+
+    @field_validator("private_key")
+    @classmethod
+    def _private(cls, value: Optional[Path]) -> Optional[Path]:
+        path = _existing_file(value, "runtime.auth.private_key", "this client's OpenSSH private key")
+        if path is not None:
+            from cryptography.exceptions import UnsupportedAlgorithm
+            from cryptography.hazmat.primitives.asymmetric import ec
+            from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+
+            try:
+                key = load_ssh_private_key(path.read_bytes(), None)
+            except (ValueError, TypeError, UnsupportedAlgorithm) as err:
+                raise ValueError(f"{value} is not an OpenSSH private key without a passphrase ({err}); make one "
+                                 "with ssh-keygen -t ecdsa -b 384 -N ''") from None
+            if not isinstance(key, ec.EllipticCurvePrivateKey):
+                raise ValueError(f"{value} is not an ECDSA key; make one with ssh-keygen -t ecdsa -b 384 -N ''")
+        return path
+
+    @model_validator(mode="after")
+    def _something(self) -> "AuthParams":
+        if not self.public_keys and self.private_key is None:
+            raise ValueError("runtime.auth needs public_keys (server: the clients' public keys) or private_key "
+                             "(client: its own key)")
+        return self
 
 
 class FlowerParams(BaseModel):
@@ -33,6 +147,19 @@ class FlowerParams(BaseModel):
         "long-lived", description="client side: long-lived = one process per client trains every message (torch "
                                   "and the data load once); per-message = Flower's own flwr-clientapp process "
                                   "per message")
+    tls: Optional[TLSParams] = Field(
+        None, description="TLS between the clients and the SuperLink: {ca, cert, key} on the server, {ca} on a "
+                          "client; needed for any SuperLink beyond 127.0.0.1 unless --insecure is given")
+    auth: Optional[AuthParams] = Field(
+        None, description="SuperNode authentication (needs tls): {public_keys: [...]} on the server, "
+                          "{private_key: ...} on a client")
+
+    @model_validator(mode="after")
+    def _auth_over_tls(self) -> "FlowerParams":
+        if self.auth is not None and self.tls is None:
+            raise ValueError("runtime.auth needs runtime.tls: Flower authenticates SuperNodes over TLS only; set "
+                             "runtime.tls.ca (and, on the server, runtime.tls.cert and runtime.tls.key)")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -51,6 +178,11 @@ class FlowerParams(BaseModel):
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"runtime.superlink {value!r} is not host:port; write e.g. 127.0.0.1:9092")
         return value
+
+
+def flower_params(cfg) -> FlowerParams:
+    """The ``runtime`` section of a ``runtime.name: flower`` config, validated."""
+    return RUNTIMES.parse_params(cfg.runtime.name, cfg.runtime.params_dict(), "runtime")
 
 
 @RUNTIMES.register("flower", summary="a Flower deployment: 'fedguide serve' and one 'fedguide client' per client")
@@ -77,11 +209,6 @@ class Deployment(Runtime):
         cfg = run.prepared.config
         clients = DeployedClients(self.grid, self.params, cfg, run.run_dir, run.ctx.num_clients, run.log,
                                   threads=self.resources(cfg.clients.per_round, run.ctx.layout.numel)[1])
-        for folder in (run.run_dir / "client_state" / "committed", run.run_dir / "client_state"):
-            try:
-                folder.rmdir()  # made empty when the run was opened; client state lives on the clients
-            except OSError:
-                pass
         run.ctx.store = ClientStatesOnClients(clients)  # methods hold ctx itself, so they see this
         if run.checkpoint is not None:
             clients.restore(run.checkpoint.metrics)

@@ -68,7 +68,7 @@ def _next(tasks, parent: int) -> Any:
                 return None
 
 
-def _worker(weights: torch.Tensor, tasks, results, parent: int) -> None:
+def _worker(weights: torch.Tensor, tasks, results, parent: int, ready) -> None:
     _die_with_parent()
     # The run itself comes as the first message, not as a Process argument: a Queue is fed by a
     # background thread, whereas a child dying at start-up (a script without a __main__ guard
@@ -79,6 +79,7 @@ def _worker(weights: torch.Tensor, tasks, results, parent: int) -> None:
     prepared, run_dir, threads = start
     torch.set_num_threads(threads)
     ctx, method = open_run(prepared, Path(run_dir), setup=True)
+    ready.value = 1  # a worker that dies before this never ran fedguide's code (see _check_alive)
     cfg = prepared.config
     while True:
         job = _next(tasks, parent)
@@ -89,6 +90,8 @@ def _worker(weights: torch.Tensor, tasks, results, parent: int) -> None:
         try:
             res = run_client(ctx, method, cfg.train, cfg.seed, round_, client_id, payload)
             results.put(("ok", client_id, res))
+        except FloatingPointError as err:  # a diverged client is the run's settings, not a crash
+            results.put(("diverged", client_id, str(err)))
         except BaseException as err:  # report, with the client, instead of dying silently
             results.put(("error", client_id, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
 
@@ -106,14 +109,17 @@ class WorkerPool(Executor):
         self.costs = [train.local_steps or len(idx) * train.epochs for idx in prepared.data.client_indices]
         self._mp = mp.get_context("spawn")  # fork is unsafe once torch's thread pools exist
         self.results = self._mp.Queue()
-        self.procs, self.tasks = [], []
+        self.procs, self.tasks, self.ready = [], [], []
         for _ in range(workers):
             q = self._mp.Queue()
-            p = self._mp.Process(target=_worker, daemon=True, args=(self.weights, q, self.results, os.getpid()))
+            ready = self._mp.Value("b", 0)
+            p = self._mp.Process(target=_worker, daemon=True,
+                                 args=(self.weights, q, self.results, os.getpid(), ready))
             p.start()
             q.put((prepared, str(run_dir), threads))
             self.procs.append(p)
             self.tasks.append(q)
+            self.ready.append(ready)
 
     def run_round(self, round_: int, jobs: list[tuple[int, Record]], global_weights: torch.Tensor) -> list[ClientResult]:
         self.weights.copy_(global_weights)
@@ -135,6 +141,9 @@ class WorkerPool(Executor):
             if status == "error":
                 self.close()
                 raise WorkerCrashed(f"client {cid} failed in round {round_}:\n{res}")
+            if status == "diverged":
+                self.close()
+                raise FloatingPointError(res)
             done[cid] = res
         return [done[cid] for cid, _ in jobs]
 
@@ -149,8 +158,10 @@ class WorkerPool(Executor):
                 why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                 doing = f"while training client {busy[w]}" if w in busy else "while idle"
                 self.close()
-                hint = ("" if w in busy else "; if fedguide was started from a Python script, run it under "
-                        "`if __name__ == \"__main__\":` (worker processes re-import the script)")
+                # Dying before its run context was built: most often a script without a __main__ guard,
+                # which each spawned worker re-runs from the top.
+                hint = ("" if self.ready[w].value else "; if fedguide was started from a Python script, run it "
+                        "under `if __name__ == \"__main__\":` (worker processes re-import the script)")
                 raise WorkerCrashed(f"worker process {p.pid} died ({why}) {doing} in round {round_}; "
                                     f"the run stopped at the last completed round{hint}")
 

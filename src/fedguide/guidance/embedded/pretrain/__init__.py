@@ -29,6 +29,9 @@ Stages, each seeded from ``seed`` and logged to ``train_log.jsonl`` (step, loss,
    is 430 images beside Fashion-MNIST's 6000, and drawn in proportion (6.7 % of a batch) the UNet never
    learns to draw digits (16 % of its text-conditioned digits were recognisable); at 0.35 it sees each
    digits image ~7.5x as often as a Fashion-MNIST one. ``None`` draws batches uniformly over the pool.
+   ``repa_weight`` > 0 adds representation alignment (REPA, repa.py): the hidden states of the
+   ``repa_layers`` blocks, through small projection heads trained alongside and then discarded, are
+   pulled towards the frozen EfficientNet-Lite0 feature map (or the mini-CLIP embedding) of the clean image.
 
 The output folder has the SD layout (unet/, vae/, scheduler/, tokenizer/, image_encoder/,
 model_index.json) plus fedguide.json (the packaged text encoder, the embedded image encoder, the image
@@ -36,10 +39,12 @@ token's scale) and MODEL_CARD.md (command, seed, data, settings, losses, times, 
 It is written to a temporary sibling folder and renamed into place at the end. Finished stages and
 UNet checkpoints (every ``checkpoint_every`` steps) are kept in a ``.<name>.partial`` sibling until
 then: a killed run, started again with the same settings, skips the finished stages and continues the
-UNet from its last checkpoint, drawing the same batches and noise as an uninterrupted run.
+UNet from its last checkpoint, drawing the same batches and noise as an uninterrupted run. Those files
+are safetensors with a JSON part (partial.py), never pickles: a file there that is not one stops the
+run with an error and is never unpickled.
 
 Modules, in the order a run uses them: ``settings`` (PretrainSettings and what each stage depends on),
 ``partial`` (the log and the finished stages kept across a kill), ``data`` (the pool and its prompts'
-text states), ``batches`` (seeded batch draws), ``clip_stage``, ``vae_stage``, ``unet_stage``,
+text states), ``batches`` (seeded batch draws), ``clip_stage``, ``vae_stage``, ``repa``, ``unet_stage``,
 ``layout`` (the SD-layout folder), ``card`` (MODEL_CARD.md) and ``run`` (``pretrain`` and the CLI).
 """

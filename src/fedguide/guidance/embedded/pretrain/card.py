@@ -51,11 +51,23 @@ def _quality_lines(quality: dict) -> list[str]:
     return lines
 
 
+def _alignment_lines(settings: dict) -> list[str]:
+    if not settings.get("repa_weight"):
+        return []
+    return ["", "## Representation alignment (REPA)", "",
+            f"The UNet was trained with loss = ε-MSE + {settings['repa_weight']} × (1 − cos), the cosine between a "
+            f"projection of blocks {', '.join(settings['repa_layers'])} and the frozen "
+            + ("EfficientNet-Lite0 feature map of the clean image" if settings["repa_target"] == "effnet"
+               else "mini-CLIP embedding of the clean image")
+            + " (pretrain/repa.py). The projection heads were discarded: unet/ is an ordinary UNet."]
+
+
 def write_card(folder: Path, command: str, settings: dict, pool_slices: list[dict], log_rows: list[dict],
                quality: Optional[dict] = None) -> None:
     """MODEL_CARD.md: how the files were made and their sha256 (``sha256sum -c`` format in the last block)."""
     lines = [*INTRO, "", "## Reproduce", "", "```", command, "```", "", *_data_lines(pool_slices)]
-    lines += ["", "## Settings", "", "```json", json.dumps(settings, indent=1), "```", "", *_training_lines(log_rows)]
+    lines += ["", "## Settings", "", "```json", json.dumps(settings, indent=1), "```", *_alignment_lines(settings)]
+    lines += ["", *_training_lines(log_rows)]
     if quality:
         lines += _quality_lines(quality)
     lines += ["", "## Files (sha256)", "", "```"]

@@ -12,7 +12,9 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
+import numpy as np
 import torch
 
 from fedguide.core.atomic import write_atomic
@@ -50,7 +52,11 @@ def _pack(obj, tensors: dict):
     if isinstance(obj, torch.Tensor):
         name = str(len(tensors))
         tensors[name] = obj.detach().contiguous()
-        return {"tensor": name}
+        # The memory layout too: a channels-last latent gives other (equally valid) float results than a
+        # contiguous one, and a resumed run must repeat the uninterrupted run's numbers exactly.
+        return {"tensor": name} if obj.is_contiguous() else {"tensor": name, "stride": list(obj.stride())}
+    if isinstance(obj, np.generic):  # e.g. the learning rates LambdaLR computes with numpy
+        return {"numpy": [obj.dtype.str, obj.item()]}
     if isinstance(obj, dict):
         return {"dict": [[_pack(k, tensors), _pack(v, tensors)] for k, v in obj.items()]}
     if isinstance(obj, (list, tuple)):
@@ -60,10 +66,18 @@ def _pack(obj, tensors: dict):
     raise TypeError(f"a pretraining stage cannot hold a {type(obj).__name__}")
 
 
+def _tensor(stored: torch.Tensor, stride: Optional[list]) -> torch.Tensor:
+    if stride is None:
+        return stored
+    return torch.empty_strided(stored.shape, stride, dtype=stored.dtype).copy_(stored)
+
+
 def _unpack(node, tensors: dict):
-    (kind, value), = node.items()
+    kind, value = next(iter(node.items()))
     if kind == "tensor":
-        return tensors[value]
+        return _tensor(tensors[value], node.get("stride"))
+    if kind == "numpy":
+        return np.dtype(value[0]).type(value[1])
     if kind == "dict":
         return {_unpack(k, tensors): _unpack(v, tensors) for k, v in value}
     if kind in ("list", "tuple"):

@@ -44,7 +44,7 @@ class PretrainSettings:
     checkpoint_every: int = 250  # UNet steps between checkpoints of a run that may be killed
     # Representation alignment (REPA) of the UNet's hidden states, see repa.py; 0 trains without it.
     repa_weight: float = 0.0
-    repa_layers: tuple[str, ...] = ("up.1",)  # UNet blocks aligned (hook names: down.i, mid, up.i)
+    repa_layers: tuple[str, ...] = ("mid", "up.1")  # UNet blocks aligned (hook names: down.i, mid, up.i)
     repa_target: str = "effnet"  # "effnet": the frozen backbone's feature map; "clip": the mini-CLIP embedding
 
     def __post_init__(self):
@@ -67,8 +67,8 @@ class PretrainSettings:
             raise ValueError(f"repa_target must be one of {REPA_TARGETS}, got {self.repa_target!r}")
         levels = len(self.unet_channels)
         if not self.repa_layers or not all(_is_block(name, levels) for name in self.repa_layers):
-            raise ValueError(f"repa_layers needs UNet blocks among mid, down.0..down.{levels - 1}, up.0..up.{levels - 1}, "
-                             f"got {tuple(self.repa_layers)}")
+            raise ValueError(f"repa_layers needs UNet blocks among mid, down.0..down.{levels - 1}, "
+                             f"up.0..up.{levels - 1}, got {tuple(self.repa_layers)}")
 
 
 def _is_block(name: str, levels: int) -> bool:

@@ -1,0 +1,121 @@
+"""Faults from outside the process: a second process on the same run folder, SIGTERM from a batch
+system, and SIGKILL at random moments, each followed by `fedguide resume`."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import REPO, cli, metrics, summary, tiny_config
+from fedguide.config import load_config
+from fedguide.fl.engine import TIMING_METRICS, Experiment
+from fedguide.fl.setup import prepare
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in rows]
+
+
+def wait_for_rounds(run_dir, rounds: int, proc, timeout: float = 120) -> None:
+    path = run_dir / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while not (path.exists() and len(path.read_text().splitlines()) >= rounds):
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early: {proc.stderr.read() if proc.stderr else ''}")
+        if time.time() > deadline:
+            raise AssertionError("no progress")
+        time.sleep(0.01)
+
+
+@pytest.mark.e2e
+def test_a_second_process_on_a_busy_run_folder_is_refused(tmp_path):
+    cfg = tiny_config(tmp_path / "cfg.yaml")
+    run_dir = tmp_path / "run"
+    cli("run", str(cfg), "--out", str(run_dir), "--quiet", "train.rounds=2")
+    (run_dir / "summary.json").unlink()  # as if it were still running, held by another process:
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom fedguide.fl.run_lock import RunLock\n"
+                               f"with RunLock({str(run_dir)!r}):\n    print('held', flush=True)\n    time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        resumed = cli("resume", str(run_dir), "--quiet", check=False)
+        assert resumed.returncode == 2
+        assert f"in use by another fedguide process (pid {holder.pid})" in resumed.stderr, resumed.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    cli("resume", str(run_dir), "--quiet")  # the lock went with its holder
+
+
+@pytest.mark.e2e
+def test_sigterm_ends_a_pool_run_like_ctrl_c_and_it_resumes(tmp_path):
+    cfg = tiny_config(tmp_path / "cfg.yaml", runtime={"workers": 2, "threads_per_worker": 1})
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "FEDGUIDE_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fedguide.cli", "run", str(cfg), "--out", str(run_dir)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_rounds(run_dir, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert f"interrupted; continue with: fedguide resume {run_dir}" in out
+    assert "leaked semaphore" not in err and "Traceback" not in err, err
+    cli("resume", str(run_dir), "--quiet")
+    assert summary(run_dir)["rounds"] == 6
+
+
+def in_child(work) -> int:
+    """Run ``work`` in a forked child (the parent has loaded torch and the data once); its pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            work()
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def finished(pid: int) -> int:
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.e2e
+def test_sigkill_at_random_moments_always_resumes_to_the_uninterrupted_result(tmp_path):
+    """20 runs killed at random moments (mid-round, mid-checkpoint, mid-commit, before the first
+    round, during the final writes), each resumed: every result equals the uninterrupted run. The
+    runs are forked from this process (torch and the data loaded once, one thread, so forking is safe),
+    which keeps 40 runs to seconds."""
+    torch.set_num_threads(1)
+    cfg = tiny_config(tmp_path / "cfg.yaml", method={"name": "local"}, train={"rounds": 4, "epochs": 1})
+    prepared = prepare(load_config(cfg))
+
+    def run(run_dir, resume=False):
+        return lambda: Experiment(prepared, run_dir, log=lambda s: None).run(resume=resume)
+
+    run(tmp_path / "warm-up")()  # in this process: the children inherit its imports and caches
+    ref = tmp_path / "ref"
+    t0 = time.perf_counter()
+    assert finished(in_child(run(ref))) == 0
+    duration = time.perf_counter() - t0
+    expected = without_timing(metrics(ref))
+    rng = random.Random(2024)
+    for trial in range(20):
+        run_dir = tmp_path / f"trial-{trial}"
+        pid = in_child(run(run_dir))
+        time.sleep(rng.uniform(0.0, 1.1) * duration)
+        os.kill(pid, signal.SIGKILL)
+        finished(pid)
+        if not (run_dir / "summary.json").exists():
+            fresh = not (run_dir / "config.yaml").exists()  # killed before the run was written: start it again
+            assert finished(in_child(run(run_dir, resume=not fresh))) == 0, f"trial {trial}"
+        assert without_timing(metrics(run_dir)) == expected, f"trial {trial}"
+        assert json.loads((run_dir / "summary.json").read_text())["accuracy_curve"] == summary(ref)["accuracy_curve"]
