@@ -163,7 +163,6 @@ def cmd_serve(args) -> int:
         cfg, _ = resolve(load_config(args.target, args.overrides))  # config errors before any process starts
         run_dir = args.out or _default_run_dir(args.target, cfg.method.name, cfg.seed)
         _check_fresh(run_dir)
-        _check_writable(run_dir)
     log = (lambda s: None) if args.quiet else (lambda s: console.print(s, markup=False))  # Flower's text, verbatim
     try:
         summary = serve(run_dir, cfg, resume=args.resume, host=args.host, log=log, insecure=args.insecure)
