@@ -336,7 +336,10 @@ def _add_pretrain(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fedguide import __version__
+
     parser = argparse.ArgumentParser(prog="fedguide", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fedguide {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_run, _add_flower, _add_results, _add_pretrain):
         add(sub)

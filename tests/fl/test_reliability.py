@@ -258,3 +258,26 @@ def test_report_warns_about_a_line_it_skipped(tmp_path):
         fh.write('{"round": 3, "accur')
     record = load_run(run_dir)
     assert len(record.metrics) == 2 and "skipped a line that is not valid JSON" in record.warnings[0]
+
+
+def test_files_are_created_with_the_users_umask(tmp_path):
+    from fedguide.core.atomic import write_text
+
+    old = os.umask(0o022)
+    try:
+        write_text(tmp_path / "a.json", "{}")
+        assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
+        os.umask(0o077)
+        write_text(tmp_path / "b.json", "{}")
+        assert (tmp_path / "b.json").stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
+
+
+def test_version_flag(capsys):
+    from fedguide import __version__
+    from fedguide.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"fedguide {__version__}"

@@ -11,10 +11,25 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+def _umask() -> int:
+    try:  # Linux reports it without changing it (threads may be creating files meanwhile)
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere, reading it means setting it: set it straight back
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: Path, writer: Callable[[str], None]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # mkstemp makes the file 0600; a run folder is shared like any other output: the user's umask decides.
+    os.fchmod(fd, 0o666 & ~_umask())
     os.close(fd)
     try:
         writer(tmp)

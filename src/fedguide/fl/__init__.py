@@ -1,1 +1,2 @@
-"""The engine: rounds, local training, aggregation, evaluation, checkpoints and client state."""
+"""The engine: opening a run (setup.py), the round loop (engine.py), one client's round (client_step.py),
+checkpoints, the run-folder lock, and the runtimes that train the clients (runtimes/, flower/)."""
