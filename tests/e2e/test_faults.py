@@ -14,13 +14,10 @@ import pytest
 import torch
 
 from helpers import REPO, cli, metrics, summary, tiny_config
+from tiny import without_timing
 from fedguide.config import load_config
-from fedguide.fl.engine import TIMING_METRICS, Experiment
+from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import prepare
-
-
-def without_timing(rows):
-    return [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in rows]
 
 
 def wait_for_rounds(run_dir, rounds: int, proc, timeout: float = 120) -> None:

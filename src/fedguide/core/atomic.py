@@ -24,10 +24,13 @@ def _umask() -> int:
     return mask
 
 
+TMP_SUFFIX = ".tmp"  # temporaries are ``.<name>.<random>.tmp`` beside their target
+
+
 def write_atomic(path: Path, writer: Callable[[str], None]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
     # mkstemp makes the file 0600; a run folder is shared like any other output: the user's umask decides.
     os.fchmod(fd, 0o666 & ~_umask())
     os.close(fd)
@@ -40,6 +43,14 @@ def write_atomic(path: Path, writer: Callable[[str], None]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """The temporaries writes killed mid-way left under ``folder``; the files they were meant to replace
+    are intact."""
+    for tmp in Path(folder).rglob(f".*{TMP_SUFFIX}"):
+        if tmp.is_file():
+            tmp.unlink()
 
 
 def write_text(path: Path, text: str) -> None:

@@ -18,7 +18,7 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # a view: no copy
     return digest.hexdigest()
 
 

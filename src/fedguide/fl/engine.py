@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 import fedguide
 from fedguide.config import Config, config_differences, to_yaml
-from fedguide.core.atomic import write_atomic, write_json, write_jsonl, write_text
+from fedguide.core.atomic import remove_stale_temporaries, write_atomic, write_json, write_jsonl, write_text
 from fedguide.core.records import record_bytes
 from fedguide.core.seeding import sample_clients
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
@@ -38,14 +38,6 @@ def check_fresh(run_dir: Path) -> None:
     if (run_dir / "config.yaml").exists() or (run_dir / "checkpoints").exists():
         raise ConfigError(f"{run_dir} already holds a run; continue it with 'fedguide resume {run_dir}' "
                           "or choose another --out")
-
-
-def remove_stale_temporaries(run_dir: Path) -> None:
-    """Temporary files an atomic write left when its process was killed mid-write (core/atomic.py names
-    them ``.<name>.<random>.tmp``); the files they were meant to replace are intact."""
-    for tmp in run_dir.rglob(".*.tmp"):
-        if tmp.is_file():
-            tmp.unlink()
 
 
 def pinned_config(cfg: Config) -> dict[str, Any]:
@@ -132,7 +124,8 @@ class Experiment:
         ctx, method = open_run(self.p, self.run_dir)
         # The server sets up and evaluates with the clients' thread count: results then do not depend on
         # how many processes trained the clients.
-        _, threads = self.runtime.resources(min(self.cfg.clients.per_round, ctx.num_clients), ctx.layout.numel)
+        workers, threads = self.runtime.resources(min(self.cfg.clients.per_round, ctx.num_clients),
+                                                  ctx.layout.numel)
         torch.set_num_threads(threads)
         ckpt = load_checkpoint(self.run_dir / "checkpoints") if resume else None
         notes: dict[str, Any] = {}
@@ -150,7 +143,8 @@ class Experiment:
         rounds = self.cfg.train.rounds
         t_run = time.perf_counter()
         task = self.progress.add_task("rounds", total=rounds, completed=start - 1) if self.progress else None
-        clients = self.runtime.start(RunHandle(self.p, ctx, method, self.run_dir, self.log, ckpt))
+        clients = self.runtime.start(RunHandle(self.p, ctx, method, self.run_dir, self.log, workers, threads, ckpt))
+        pinned = pinned_config(self.cfg)
         try:
             if ckpt is not None:  # the executor may have moved client state elsewhere (ctx.store)
                 ctx.store.recover(ckpt.round)
@@ -169,7 +163,7 @@ class Experiment:
                 metrics.append(m)
                 save_checkpoint(self.run_dir / "checkpoints",
                                 Checkpoint(r, global_w, method.server_state(), metrics,
-                                           wall0 + time.perf_counter() - t_run, pinned_config(self.cfg), notes))
+                                           wall0 + time.perf_counter() - t_run, pinned, notes))
                 write_jsonl(self.run_dir / "metrics.jsonl", metrics)
                 ctx.store.commit(r)
                 ctx.server_store.commit(r)

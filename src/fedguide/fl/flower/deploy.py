@@ -4,7 +4,7 @@
 ServerApp and ClientApp are fedguide's and whose run config names the run directory), starts
 ``flower-superlink`` (one HTTP port for SuperNodes, the ``flwr`` command and the ServerApp) and
 submits the app with ``flwr run``. The SuperLink starts the ServerApp in a process of its own; that
-ServerApp runs fedguide's round loop (``DeployedExperiment``) and writes the run directory exactly as
+ServerApp runs fedguide's round loop (``deployed_experiment``) and writes the run directory exactly as
 a local run does (config.yaml, partition.json, metrics.jsonl, checkpoints, model.safetensors,
 summary.json). ``serve`` prints the ServerApp's log lines as they come and stops the SuperLink, and
 every process under it, by their ids when the run ends, fails or is interrupted.

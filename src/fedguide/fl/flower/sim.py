@@ -138,11 +138,11 @@ def results_in_job_order(round_: int, client_ids: list[int], client_of_node: dic
 
 # ---- server side --------------------------------------------------------------------------------
 class FlowerClients(Executor):
-    def __init__(self, params, per_round: int, run_dir: Path, num_clients: int):
+    def __init__(self, actors: int, threads: int, run_dir: Path, num_clients: int):
         _import_flower()
         self.run_dir = Path(run_dir).resolve()
         self.num_clients = num_clients
-        self.actors, self.threads = actors_and_threads(params, min(per_round, num_clients))
+        self.actors, self.threads = actors, threads  # fl/runtimes/flower_sim.py: actors_and_threads
         self.workers = self.actors
         self.ray_pids: set[int] = set()  # every process Ray started, for close() and for tests
         self._tmp = Path(tempfile.mkdtemp(prefix="fedguide-flower-"))  # short: Ray's socket paths

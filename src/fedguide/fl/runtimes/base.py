@@ -40,6 +40,8 @@ class RunHandle:
     method: Any  # the server's Method, already set up
     run_dir: Path
     log: Callable[[str], None]
+    workers: int  # what ``Runtime.resources`` decided for this run, once
+    threads: int
     checkpoint: Any = None  # fl.checkpoint.Checkpoint of a resumed run, else None
 
 

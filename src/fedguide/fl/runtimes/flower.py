@@ -208,7 +208,7 @@ class Deployment(Runtime):
             raise ConfigError(self.refuses(run.run_dir, resume=False))
         cfg = run.prepared.config
         clients = DeployedClients(self.grid, self.params, cfg, run.run_dir, run.ctx.num_clients, run.log,
-                                  threads=self.resources(cfg.clients.per_round, run.ctx.layout.numel)[1])
+                                  threads=run.threads)
         run.ctx.store = ClientStatesOnClients(clients)  # methods hold ctx itself, so they see this
         if run.checkpoint is not None:
             clients.restore(run.checkpoint.metrics)

@@ -28,4 +28,4 @@ class FlowerSim(Runtime):
         return actors_and_threads(self.params, clients_per_round)
 
     def start(self, run: RunHandle) -> Executor:
-        return FlowerClients(self.params, run.prepared.config.clients.per_round, run.run_dir, run.ctx.num_clients)
+        return FlowerClients(run.workers, run.threads, run.run_dir, run.ctx.num_clients)

@@ -25,8 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.core.records import Record
 from fedguide.fl.client_step import ClientResult, run_client
-from fedguide.fl.runtimes.base import (DEFAULT_THREADS, RUNTIMES, Executor, RunHandle, Runtime,  # noqa: F401
-                                       WorkerCrashed)
+from fedguide.fl.runtimes.base import DEFAULT_THREADS, RUNTIMES, Executor, RunHandle, Runtime, WorkerCrashed
 from fedguide.fl.setup import open_run
 
 GLOBAL = "__fedguide_global_weights__"  # stands for the shared global-weights buffer in a payload
@@ -228,8 +227,6 @@ class Local(Runtime):
         return resolve_workers(self.params, clients_per_round, num_params)
 
     def start(self, run: RunHandle) -> Executor:
-        workers, threads = self.resources(min(run.prepared.config.clients.per_round, run.ctx.num_clients),
-                                          run.ctx.layout.numel)
-        if workers > 1:
-            return WorkerPool(run.prepared, run.run_dir, workers, threads, run.ctx.layout.numel)
-        return InProcess(run.ctx, run.method, run.prepared.config, threads)
+        if run.workers > 1:
+            return WorkerPool(run.prepared, run.run_dir, run.workers, run.threads, run.ctx.layout.numel)
+        return InProcess(run.ctx, run.method, run.prepared.config, run.threads)
