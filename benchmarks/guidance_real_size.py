@@ -8,8 +8,14 @@ SD-2.1-unCLIP (1024-wide UNet context, 23-layer text encoder, v-prediction, 768-
 embeddings through the noised-embedding class input), writes them in SD layout and loads them through
 fedguide's own loader (``guidance.dtype: auto`` = float16 on CUDA). Then, per method, its guidance work:
 
+- UNet FLOPs per image at the input sizes the methods use (FedDifRC 224 px, SemanticFL 32 px, the
+  pipeline's 512 px), counted by torch's FlopCounterMode on the meta device: no weights, no device, the
+  same count on any machine;
 - FedDifRC features: VAE encode + noise at t = 150 + hooked UNet (decoder layers 2-4) + the fused PCA
-  recipe (d = 512), against the bare UNet forward on the same latents (target: within 2x);
+  recipe (d = 512), against the bare UNet forward on the same latents (target: within 2x), at the paper's
+  224 px (Sec. 4.1, ``method.image_size: paper``) and at the pipeline's 512 px;
+- SemanticFL features: the same at t = 150 from every UNet block pooled and reduced by one PCA, at the
+  data's own 32 px (Stage 1: 4x4 latents);
 - SD_Gen: DDIM 50 steps, CFG 3, class prompts only;
 - FedCADO: the same plus classifier guidance (CE + 0.1 L_BN of a ResNet-18 at 224 px, through the VAE
   decoder and the UNet) and M = 10 noise-editing steps;
@@ -41,7 +47,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from fedguide.config import GuidanceConfig  # noqa: E402
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec  # noqa: E402
-from fedguide.guidance.fused import FusedFeatures  # noqa: E402
+from fedguide.guidance.fused import FusedFeatures, PooledPCAFeatures  # noqa: E402
 from fedguide.guidance.model import GuidanceModel  # noqa: E402
 from fedguide.guidance.samplers import SamplerConfig, sample, scaled_gradient  # noqa: E402
 from fedguide.guidance.tiny import clip_char_tokenizer  # noqa: E402
@@ -68,6 +74,7 @@ PRESETS = {
                                  num_attention_heads=16, hidden_act="gelu"),
                        vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2), embed=1024),
         "batch": 8, "extract_images": 64, "fit_batches": 2, "pca_dim": 512, "teacher_px": 224, "teacher_width": 64,
+        "feddifrc_px": 224, "data_px": 32,
     },
     "small": {
         "sd": dict(image=64, unet=dict(block_out_channels=(32, 64, 64, 64), layers_per_block=1, attention_head_dim=8,
@@ -82,6 +89,7 @@ PRESETS = {
                                  hidden_act="gelu"),
                        vae=dict(block_out_channels=(16, 32, 32, 32), layers_per_block=1, norm_num_groups=8), embed=32),
         "batch": 2, "extract_images": 8, "fit_batches": 2, "pca_dim": 32, "teacher_px": 32, "teacher_width": 8,
+        "feddifrc_px": 32, "data_px": 16,
     },
 }
 MAX_TOKENS = 77
@@ -145,14 +153,46 @@ def prompts_for(n: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
 
 
-def features(model, cfg: dict, size: int) -> dict:
-    layers = ("up.1", "up.2", "up.3")
+ALL_BLOCKS = ("down.0", "down.1", "down.2", "down.3", "mid", "up.0", "up.1", "up.2", "up.3")
+
+
+def unet_flops(cfg: dict) -> dict:
+    """FLOPs of one UNet forward per image (batch 1, t = 150, a full text context) at each input size the
+    methods use; the UNet is built on the meta device, so nothing is allocated or computed."""
+    from diffusers import UNet2DConditionModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    sizes = cfg["sd"]
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(sample_size=sizes["image"] // 8, in_channels=4, out_channels=4, **sizes["unet"])
+    context = torch.empty(1, MAX_TOKENS, sizes["unet"]["cross_attention_dim"], device="meta")
+    out = {}
+    for name, px in (("feddifrc_paper", cfg["feddifrc_px"]), ("semanticfl_native", cfg["data_px"]),
+                     ("pipeline", sizes["image"])):
+        with FlopCounterMode(display=False) as counter:
+            unet(torch.empty(1, 4, px // 8, px // 8, device="meta"), torch.tensor([150], device="meta"),
+                 encoder_hidden_states=context)
+        out[f"gflop_{name}_{px}px"] = round(counter.get_total_flops() / 1e9, 2)
+    flops = list(out.values())
+    out["pipeline_over_feddifrc_paper"] = round(flops[2] / flops[0], 2)
+    out["pipeline_over_semanticfl_native"] = round(flops[2] / flops[1], 1)
+    return {"img_s": float("nan"), "finite": True, **out}
+
+
+def features(model, cfg: dict, size: int, image_size: int | None = None, recipe: str = "fused") -> dict:
+    """Feature extraction of ``size``-px images resized to ``image_size`` before the VAE (None: the
+    pipeline's own): FedDifRC's fused decoder layers 2-4 or SemanticFL's pooled blocks (``recipe``)."""
     n, b = cfg["extract_images"], cfg["batch"]
     images = torch.rand(n, 3, size, size, generator=torch.Generator().manual_seed(0)) * 2 - 1
     prompts = prompts_for(n)
-    feats = DiffusionFeatures(model, FeatureSpec(layers, t=150),
-                              FusedFeatures(layers, d=cfg["pca_dim"], samples_per_image=64))
     fit = b * cfg["fit_batches"]
+    if recipe == "fused":
+        layers = ("up.1", "up.2", "up.3")
+        fusion = FusedFeatures(layers, d=cfg["pca_dim"], samples_per_image=64)
+    else:  # one PCA over pooled vectors needs as many images as dims; its size does not change the timing
+        layers = ALL_BLOCKS
+        fusion = PooledPCAFeatures(layers, d=min(cfg["pca_dim"], fit - 1))
+    feats = DiffusionFeatures(model, FeatureSpec(layers, t=150, image_size=image_size), fusion)
     feats.fit(images[:fit], prompts[:fit], np.arange(fit), batch_size=b)
 
     def extract():
@@ -160,7 +200,7 @@ def features(model, cfg: dict, size: int) -> dict:
             out = feats(images[i:i + b], prompts[i:i + b], np.arange(i, i + b))
             assert torch.isfinite(out).all(), "non-finite features"
 
-    latents = model.encode_image(images[:b].to(model.device)).detach()
+    latents = model.encode_image(images[:b].to(model.device), size=image_size).detach()
     context = model.encode_text(tuple(prompts[:b])).tokens
 
     def bare():
@@ -173,7 +213,7 @@ def features(model, cfg: dict, size: int) -> dict:
     def encode():
         with torch.no_grad():
             for _ in range(0, n, b):
-                model.encode_image(batch)
+                model.encode_image(batch, size=image_size)
 
     extract()  # warm-up (kernels, caches)
     bare()
@@ -183,7 +223,7 @@ def features(model, cfg: dict, size: int) -> dict:
     # The target compares the feature pass with the UNet pass it hooks; the VAE encode is the same for any
     # use of the latents, so it is timed on its own and taken out of that ratio.
     return {"img_s": n / t_extract, "bare_unet_img_s": n / t_bare, "vae_encode_img_s": n / t_vae,
-            "ratio_to_bare_unet": (t_extract - t_vae) / t_bare, "finite": True}
+            "ratio_to_bare_unet": (t_extract - t_vae) / t_bare, "latent_px": int(latents.shape[-1]), "finite": True}
 
 
 def generation(model, cfg: dict, steps: int, loss_fn=None, edit_steps: int = 0, conditions=(),
@@ -287,23 +327,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="real" if torch.cuda.is_available() else "small")
     ap.add_argument("--out", type=Path, default=None, help="folder for results.json")
-    ap.add_argument("--workloads", nargs="+", default=["features", "sd_gen", "fedcado", "gradient", "feddisc"])
+    ap.add_argument("--workloads", nargs="+", default=["flops", "features_paper", "features", "semanticfl", "sd_gen",
+                                                      "fedcado", "gradient", "feddisc"])
     args = ap.parse_args()
     cfg = PRESETS[args.preset]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} threads)"
     print(f"preset {args.preset} on {device}, torch {torch.__version__}", flush=True)
     rows: list = []
+    if "flops" in args.workloads:
+        run_workload("UNet GFLOP per image at each method's input size (meta device, any machine)",
+                     lambda: unet_flops(cfg), rows)
     with tempfile.TemporaryDirectory() as tmp:
-        sd_work = [w for w in ("features", "sd_gen", "fedcado", "gradient") if w in args.workloads]
+        sd_work = [w for w in ("features_paper", "features", "semanticfl", "sd_gen", "fedcado", "gradient")
+                   if w in args.workloads]
         if sd_work:
             t0 = time.perf_counter()
             folder = build_pipeline(Path(tmp) / "sd", cfg["sd"], unclip=False)
             model = GuidanceModel.from_config(GuidanceConfig(model=str(folder)))
             print(f"SD-1.5-sized pipeline built and loaded in {time.perf_counter() - t0:.1f} s "
                   f"({model.device}, {model.dtype})", flush=True)
-            size = cfg["sd"]["image"]
+            size, paper, data = cfg["sd"]["image"], cfg["feddifrc_px"], cfg["data_px"]
+            if "features_paper" in sd_work:
+                run_workload(f"FedDifRC features, {paper} px (image_size: paper)",
+                             lambda: features(model, cfg, paper, image_size=paper), rows)
             if "features" in sd_work:
-                run_workload(f"FedDifRC features, {size} px", lambda: features(model, cfg, size), rows)
+                run_workload(f"FedDifRC features, {size} px (image_size: pipeline)", lambda: features(model, cfg, size),
+                             rows)
+            if "semanticfl" in sd_work:
+                run_workload(f"SemanticFL features, {data} px (image_size: paper = native)",
+                             lambda: features(model, cfg, data, image_size=data, recipe="pooled"), rows)
             if "sd_gen" in sd_work:
                 run_workload(f"SD_Gen, DDIM 50, CFG 3, {size} px", lambda: generation(model, cfg, 50), rows)
             if "fedcado" in sd_work:
@@ -329,8 +381,14 @@ def main() -> None:
             continue
         notes = []
         if "ratio_to_bare_unet" in r:
-            notes.append(f"bare UNet {r['bare_unet_img_s']:.1f} img/s, VAE encode {r['vae_encode_img_s']:.1f} img/s; "
-                         f"features from latents / bare UNet {r['ratio_to_bare_unet']:.2f}x (target <= 2)")
+            notes.append(f"{r['latent_px']}x{r['latent_px']} latents; bare UNet {r['bare_unet_img_s']:.1f} img/s, VAE "
+                         f"encode {r['vae_encode_img_s']:.1f} img/s; features from latents / bare UNet "
+                         f"{r['ratio_to_bare_unet']:.2f}x (target <= 2)")
+        if "pipeline_over_feddifrc_paper" in r:
+            counts = (f"{k.removeprefix('gflop_')} {v} GFLOP" for k, v in r.items() if k.startswith("gflop_"))
+            notes.append(", ".join(counts)
+                         + f"; the pipeline's size costs {r['pipeline_over_feddifrc_paper']}x FedDifRC's paper size, "
+                           f"{r['pipeline_over_semanticfl_native']}x SemanticFL's")
         if "grad_cosine_vs_fp32" in r:
             notes.append(f"cosine to float32 {r['grad_cosine_vs_fp32']}, norm ratio {r['grad_norm_ratio']}, "
                          f"exact zeros {r['grad_zero_fraction']} (unscaled backward: cosine "

@@ -34,3 +34,16 @@ def tiny_unclip(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_clip(tmp_path_factory):
     return build_tiny_clip(tmp_path_factory.mktemp("tiny-clip"), seed=2)
+
+
+# ---- GPU tests (@pytest.mark.gpu) run only where CUDA is: `make test` on a CPU skips them ----
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run pytest -m gpu, or scripts/device-check.sh, on a GPU host)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

@@ -153,6 +153,32 @@ def test_switch_then_set_param():
     assert out["method"] == {"name": "fedprox", "mu": 0.5}
 
 
+def test_a_parameter_given_before_the_name_lands_in_the_new_entry():
+    raw = {"method": {"name": "fedavg"}, "partition": {"name": "shards", "k": 2}}
+    out = apply_overrides(raw, ["method.mu=0.5", "partition.alpha=0.3", "method.name=fedprox", "partition.name=dirichlet"])
+    assert out["method"] == {"name": "fedprox", "mu": 0.5}
+    assert out["partition"] == {"name": "dirichlet", "alpha": 0.3}  # the file's k belonged to shards
+    cfg, _ = resolve(build_config(out))
+    assert cfg.method.params_dict()["mu"] == 0.5 and cfg.partition.params_dict()["alpha"] == 0.3
+
+
+def test_the_files_parameters_of_the_old_entry_go_whatever_the_order():
+    out = apply_overrides({"method": {"name": "fedprox", "mu": 0.1}}, ["method.tau=0.3", "method.name=moon"])
+    assert out["method"] == {"name": "moon", "tau": 0.3}
+
+
+def test_a_parameter_the_newly_named_entry_lacks_is_named():
+    out = apply_overrides({}, ["method.mu=0.5", "method.name=fedavg"])
+    with pytest.raises(ConfigError, match=r"method\.mu: method 'fedavg' has no parameter 'mu'"):
+        resolve(build_config(out))
+
+
+def test_overrides_may_be_key_value_pairs():
+    out = apply_overrides({"model": {"name": "mlp"}}, [("model.mapping", [64, 64]), ("method.name", "fedprox"),
+                                                       "method.mu=0.5"])
+    assert out["model"] == {"name": "mlp", "mapping": [64, 64]} and out["method"] == {"name": "fedprox", "mu": 0.5}
+
+
 def test_switching_dataset_keeps_fraction():
     # data.fraction is a field of the data section itself (DataConfig), not a parameter of the
     # dataset entry, so switching data.name should not reset it to 1.0.

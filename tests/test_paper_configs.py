@@ -151,3 +151,12 @@ def test_header_commands_are_parsed(tmp_path):
     cfg.write_text("# h\n#   fedguide run configs/paper/x.yaml a.b=1 --sweep c=1,2 --sweep d=3,4\nseed: 0\n")
     assert documented_runs(cfg) == [["a.b=1", "c=1", "d=3"], ["a.b=1", "c=1", "d=4"],
                                     ["a.b=1", "c=2", "d=3"], ["a.b=1", "c=2", "d=4"]]
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_header_names_the_augmentation_the_config_sets(path: Path) -> None:
+    """train.augment is the paper's (or its released code's) recipe, and the header says which source."""
+    cfg = load_config(path)
+    header = [line for line in path.read_text().splitlines() if line.startswith("# Augmentation:")]
+    assert len(header) == 1, f"{path.name}: one '# Augmentation:' header line naming the recipe and its source"
+    assert header[0].startswith(f"# Augmentation: {cfg.train.augment} (train.augment)")

@@ -1,2 +1,25 @@
-"""fedguide: heterogeneous federated learning guided by pretrained diffusion models."""
+"""fedguide: heterogeneous federated learning guided by pretrained diffusion models.
+
+The Python API (``fedguide.api``): ``run``, ``resume``, ``sweep``, ``load``, ``load_run``, ``results_table``,
+``write_report``. It is loaded on first use, so ``import fedguide`` stays cheap (no torch).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+__all__ = ["ConfigError", "RunRecord", "load", "load_run", "results_table", "resume", "run", "sweep", "write_report"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        # By name, not an import statement: modules below the API import this package for __version__,
+        # and the API imports them, so the package must not import the API while it is being imported.
+        return getattr(importlib.import_module("fedguide.api"), name)
+    raise AttributeError(f"module 'fedguide' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import signal
 import sys
@@ -26,6 +25,13 @@ def _progress(console, quiet: bool):
 
     if quiet:
         return None
+    if not (console.is_terminal or console.is_jupyter):
+        # A bar on a log file prints nothing until it ends. Every round already logs its own line, so the
+        # plain lines add what those lack (rate, time left) every ~10 % / 30 s, and no closing line (the
+        # run's final line follows).
+        from fedguide.guidance.progress import PlainLines
+
+        return PlainLines(unit="round", final=False)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), console=console, transient=True)
 
@@ -40,22 +46,14 @@ def _check_fresh(run_dir: Path) -> None:
     check_fresh(run_dir)
 
 
-def _sweep_grid(sweeps: list[str]) -> list[list[str]]:
-    axes = []
-    for s in sweeps:
-        if "=" not in s:
-            raise ConfigError(f"--sweep '{s}' is not key=v1,v2; write e.g. --sweep seed=0,1,2")
-        key, values = s.split("=", 1)
-        axes.append([f"{key}={v}" for v in values.split(",")])
-    return [list(c) for c in itertools.product(*axes)] if axes else [[]]
-
-
 def _run_one(config_path: Path, overrides: list[str], run_dir: Optional[Path], dry_run: bool, quiet: bool, console):
     from fedguide.config import load_config, to_yaml
+    from fedguide.fl.loggers import check_available
     from fedguide.fl.setup import open_run, prepare
 
     prepared = prepare(load_config(config_path, overrides))
     cfg = prepared.config
+    check_available(cfg.logging)  # a missing logger package is named by --dry-run too, before any folder exists
     refusal = RUNTIMES.get(cfg.runtime.name).obj.refuses(run_dir, resume=False)
     if refusal and not dry_run:
         raise ConfigError(refusal)
@@ -77,8 +75,9 @@ def _run_one(config_path: Path, overrides: list[str], run_dir: Optional[Path], d
     return run_dir
 
 
-def _execute(prepared, run_dir: Path, resume: bool, quiet: bool, console) -> dict:
-    """Run or resume with progress; an interruption or a crashed worker says how to continue."""
+def _execute(prepared, run_dir: Path, resume: bool, quiet: bool, console, again: Optional[str] = None) -> dict:
+    """Run or resume with progress; an interruption or a crashed worker says how to continue (``again``:
+    instead of resuming this run folder)."""
     from fedguide.fl.engine import Experiment
 
     progress = _progress(console, quiet)
@@ -89,41 +88,67 @@ def _execute(prepared, run_dir: Path, resume: bool, quiet: bool, console) -> dic
                 return exp.run(resume=resume)
         return exp.run(resume=resume)
     except KeyboardInterrupt:
-        console.print(f"interrupted; continue with: fedguide resume {run_dir}")
+        console.print(f"interrupted; {again or f'continue with: fedguide resume {run_dir}'}")
         raise SystemExit(130)
     except WorkerCrashed as err:
-        raise WorkerCrashed(f"{err}\ncontinue with: fedguide resume {run_dir}") from None
+        raise WorkerCrashed(f"{err}\n{again or f'continue with: fedguide resume {run_dir}'}") from None
 
 
 def _check_writable(run_dir: Path) -> None:
-    """The run folder exists (made here) and takes files, or a sentence says why not."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=run_dir):
-            pass
-    except OSError as err:
-        raise ConfigError(f"cannot write the run folder {run_dir}: {err.strerror or err} "
-                          f"({err.filename or run_dir}); choose another --out, a folder you can write to") from None
+    from fedguide.api import check_writable
+
+    check_writable(run_dir)
 
 
 def cmd_run(args) -> int:
     console = _console()
-    grid = _sweep_grid(args.sweep or [])
     if args.rebuild:
         args.overrides = list(args.overrides) + ["guidance.rebuild=true"]
     if args.reuse_synthetic:
         args.overrides = list(args.overrides) + [f"method.reuse_synthetic={args.reuse_synthetic}"]
-    run_dirs = []
-    for combo in grid:
-        run_dir = args.out
-        if len(grid) > 1:
-            name = "-".join(o.split("=", 1)[0].split(".")[-1] + "=" + o.split("=", 1)[1] for o in combo)
-            run_dir = (args.out or Path("runs") / f"{args.config.stem}-{time.strftime('%Y%m%d-%H%M%S')}") / name
-        rd = _run_one(args.config, args.overrides + combo, run_dir, args.dry_run, args.quiet, console)
-        if rd is not None:
-            run_dirs.append(rd)
-    if len(run_dirs) > 1:
-        _print_report(run_dirs, None, console)
+    if args.sweep:
+        return _run_sweep(args, console)
+    _run_one(args.config, args.overrides, args.out, args.dry_run, args.quiet, console)
+    return 0
+
+
+def _run_sweep(args, console) -> int:
+    """Every combination checked first (none runs if one is invalid); then each run started, continued
+    (unfinished) or skipped (finished, or diverged before), and the comparison table."""
+    from fedguide.config import load_raw
+    from fedguide.fl.setup import prepare
+    from fedguide.sweeps import dry_run_text, grid, parse_axis, plan
+
+    combos = grid([parse_axis(s) for s in args.sweep])
+    parent = args.out or Path("runs") / f"{args.config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    runs = plan(load_raw(args.config), args.overrides, combos, parent)
+    if args.dry_run:
+        print(dry_run_text(runs), end="")
+        return 0
+    again = f"run the same command with --out {parent}" if args.out is None else "run the same command again"
+    diverged = []
+    for i, r in enumerate(runs, 1):
+        head = f"[{i}/{len(runs)}] {r.combination.label}"
+        if r.state in ("finished", "stopped"):
+            console.print(f"{head}: {'finished' if r.state == 'finished' else 'diverged'} before, skipped -> {r.run_dir}")
+            continue
+        _check_writable(r.run_dir)
+        console.print(f"{head}: {'continuing' if r.state == 'unfinished' else 'starting'} -> {r.run_dir}")
+        try:
+            summary = _execute(prepare(r.config), r.run_dir, r.state == "unfinished", args.quiet, console,
+                               again=f"continue the sweep: {again}")
+        except FloatingPointError as err:  # recorded in the run folder (stopped.json); the other runs go on
+            print(f"error: {err}", file=sys.stderr)
+            diverged.append(r.combination.label)
+            continue
+        console.print(f"{head}: final accuracy {100 * summary['final_accuracy']:.2f}%  "
+                      f"(best {100 * summary['best_accuracy']:.2f}% at round {summary['best_round']})  "
+                      f"{summary['wall_seconds']:.0f} s")
+    if len(runs) > 1:
+        _print_report([r.run_dir for r in runs], None, console)
+    if diverged:
+        print(f"error: {len(diverged)} of {len(runs)} runs diverged: {'; '.join(diverged)}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -133,6 +158,8 @@ def cmd_resume(args) -> int:
     console = _console()
     run_dir = args.run_dir
     cfg = load_run_config(run_dir)
+    if args.device is not None:  # where it computes is not pinned: a GPU run may continue on a CPU
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"device": args.device})})
     done = run_dir / "summary.json"
     if done.exists() and json.loads(done.read_text()).get("rounds", 0) >= cfg.train.rounds:
         console.print(f"{run_dir} is already complete (summary.json exists); nothing to resume")
@@ -226,22 +253,35 @@ def cmd_list(args) -> int:
     return 0
 
 
-def _print_report(paths: list[Path], out: Optional[Path], console) -> None:
+def _print_report(paths: list[Path], out: Optional[Path], console, options=None) -> None:
     from fedguide.report import report
 
-    from fedguide.report import results_table
-
-    result = report(paths, out)
+    result = report(paths, out, options)
     for w in (w for r in result.runs for w in r.warnings):
         print(f"warning: {w}", file=sys.stderr)
-    print(results_table(result.runs))
+    print(result.table)
+    if result.paired:
+        print(result.paired)
     console.print(f"report: {result.markdown_path}")
+    if result.table_path:
+        console.print(f"table:  {result.table_path}")
     for p in result.plot_paths:
         console.print(f"plot:   {p}")
 
 
+def _marks(text: str) -> list[float]:
+    try:
+        return [float(m) for m in text.split(",") if m.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of accuracies, e.g. 0.2,0.3,0.4")
+
+
 def cmd_report(args) -> int:
-    _print_report(args.run_dirs, args.out, _console())
+    from fedguide.report import ReportOptions
+
+    options = ReportOptions(vs=args.vs, rows=args.rows, cols=args.cols, metric=args.metric, fmt=args.format,
+                            last_k=args.last_k, rounds_to=args.rounds_to)
+    _print_report(args.run_dirs, args.out, _console(), options)
     return 0
 
 
@@ -249,10 +289,14 @@ def _add_run(sub) -> None:
     run = sub.add_parser("run", help="run an experiment from a YAML config")
     run.add_argument("config", type=Path)
     run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. method.name=fedprox method.mu=0.01")
-    run.add_argument("--out", type=Path, default=None, help="run directory (parent folder with --sweep)")
+    run.add_argument("--out", type=Path, default=None,
+                     help="run directory; with --sweep the parent folder of its runs, and the same command with the "
+                          "same --out continues the sweep (without --out a new time-stamped folder each time)")
     run.add_argument("--dry-run", action="store_true", help="validate, print the resolved config and partition")
-    run.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
-                     help="run every combination (repeatable), then print a comparison table")
+    run.add_argument("--sweep", action="append", metavar="KEY=VALUES",
+                     help="run every combination (repeatable), then print a comparison table; VALUES: v1,v2 or a "
+                          "YAML list ('model.mapping=[[64, 64], []]'). Every combination is checked before the "
+                          "first run; finished runs are skipped and unfinished ones continued")
     run.add_argument("--quiet", action="store_true")
     run.add_argument("--rebuild", action="store_true",
                      help="recompute cached guidance features instead of reusing them (guidance.rebuild=true)")
@@ -263,6 +307,8 @@ def _add_run(sub) -> None:
 
     res = sub.add_parser("resume", help="continue an interrupted run from its last checkpoint")
     res.add_argument("run_dir", type=Path)
+    res.add_argument("--device", default=None, metavar="D",
+                     help="continue on device D (auto, cpu, cuda, cuda:N) instead of the run's train.device")
     res.add_argument("--quiet", action="store_true")
     res.set_defaults(func=cmd_resume)
 
@@ -303,9 +349,25 @@ def _add_results(sub) -> None:
     lst.add_argument("--json", action="store_true")
     lst.set_defaults(func=cmd_list)
 
-    rep = sub.add_parser("report", help="results table and plots for one or more run directories")
-    rep.add_argument("run_dirs", nargs="+", type=Path)
+    rep = sub.add_parser("report", help="results table and plots for run folders (and the run folders below any "
+                                        "other folder given, e.g. a sweep's)")
+    rep.add_argument("run_dirs", nargs="+", type=Path, metavar="DIR",
+                     help="a run folder, or a folder searched for run folders (a sweep's --out)")
     rep.add_argument("--out", type=Path, default=None)
+    rep.add_argument("--vs", metavar="METHOD", default=None,
+                     help="per-seed paired differences of every other method against METHOD, with a bootstrap 95%% "
+                          "interval")
+    rep.add_argument("--rows", metavar="KEY", default=None,
+                     help="pivot table: KEY down the rows (method, partition, dataset or a dotted config key)")
+    rep.add_argument("--cols", metavar="KEY", default=None, help="pivot table: KEY across the columns")
+    rep.add_argument("--metric", choices=("last_k", "final", "best"), default="last_k",
+                     help="what a pivot cell holds (default last_k: the mean over the last k rounds)")
+    rep.add_argument("--format", choices=("md", "csv", "latex"), default="md",
+                     help="format of the printed table (the pivot, else the results table), also written to --out")
+    rep.add_argument("--last-k", dest="last_k", type=int, default=None, metavar="K",
+                     help="average every run over its last K rounds instead of its own report.last_k")
+    rep.add_argument("--rounds-to", dest="rounds_to", type=_marks, default=None, metavar="A,B,...",
+                     help="accuracy marks of the rounds-to-accuracy table (default: those the runs recorded)")
     rep.set_defaults(func=cmd_report)
 
 
@@ -335,18 +397,46 @@ def _add_pretrain(sub) -> None:
     pre.set_defaults(func=_pretrain_guidance)
 
 
+def _add_analyze(sub) -> None:
+    from fedguide.analysis.dispatch import FIGURES
+
+    ana = sub.add_parser("analyze", help="the papers' analysis figures of a finished run (PNG + JSON in RUN/analysis/)")
+    ana.add_argument("run_dir", type=Path, metavar="RUN")
+    for figure in FIGURES:
+        ana.add_argument(figure.option, dest=figure.name, action="store_true", help=figure.help)
+    ana.add_argument("--points", type=int, default=2000, help="t-SNE: at most this many test images (default 2000)")
+    ana.add_argument("--seed", type=int, default=0, help="seed of the subsets, t-SNE and K-means (default 0)")
+    ana.set_defaults(func=cmd_analyze)
+
+
+def cmd_analyze(args) -> int:
+    """No figure named: every figure that applies to the run; a named one that does not apply is an error."""
+    from fedguide.analysis import FIGURES, analyze
+
+    console = _console()
+    chosen = [f.name for f in FIGURES if getattr(args, f.name)]
+    result = analyze(args.run_dir, chosen or None, points=args.points, seed=args.seed,
+                     log=lambda line: console.print(line, markup=False))
+    for name, paths in result.written.items():
+        console.print(f"{name}: " + ", ".join(str(p) for p in paths), markup=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fedguide import __version__
 
     parser = argparse.ArgumentParser(prog="fedguide", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fedguide {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_run, _add_flower, _add_results, _add_pretrain):
+    for add in (_add_run, _add_flower, _add_results, _add_analyze, _add_pretrain):
         add(sub)
     return parser
 
 
 def _pretrain_guidance(args) -> int:
+    from fedguide.extras import require_extras
+
+    require_extras(("guidance",), "fedguide pretrain-guidance")
     from fedguide.guidance.embedded.pretrain.run import run_from_cli
 
     return run_from_cli(args)

@@ -53,6 +53,10 @@ class DataConfig(Named):
         0.0, ge=0.0, lt=1.0, description="stratified share of the training set held out as a public pool "
                                          "that no client receives (server-side public data, guidance pretraining)")
     public_seed: int = Field(0, description="fixes the public pool, independently of the run seed")
+    on_device: Union[Literal["auto"], bool] = Field(
+        "auto", description="keep the training and test tensors on train.device (8-bit images as uint8): "
+                            "auto = when they fit in half its free memory; true = always (an error if not); false = "
+                            "on the host, batches copied over")
 
 
 class RuntimeConfig(Named):
@@ -78,6 +82,16 @@ class TrainConfig(Strict):
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(1e-5, ge=0.0)
     eval_batch_size: int = Field(1024, ge=1)
+    device: str = Field("auto", description="where the model trains and is evaluated: auto (cuda when available, "
+                                            "else cpu), cpu, cuda or cuda:N")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="autocast of the forward passes: bf16 (GPU or CPU) or fp16 (GPU, with gradient scaling)")
+    channels_last: bool = Field(False, description="train convolutional models in the channels-last memory format")
+    compile: bool = Field(False, description="torch.compile the model's forward for training")
+    augment: str = Field("none", description="training augmentation on the device: none, crop, crop_flip, "
+                                             "autoaugment (data/augment.py)")
+    deterministic: bool = Field(False, description="deterministic algorithms (and cuBLAS's fixed workspace): the "
+                                                   "same run twice on one GPU gives the same metrics")
 
 
 class GuidanceConfig(Strict):
@@ -105,6 +119,81 @@ class GuidanceConfig(Strict):
         return Path(os.environ.get("FEDGUIDE_CACHE", "~/.cache/fedguide/features")).expanduser()
 
 
+class EvalConfig(Strict):
+    """The ``eval:`` section: what a round scores. ``personal`` scores each client's own model on its own test
+    split (drawn from the test set with the client's label and domain mix, fixed for the run)."""
+
+    mode: Literal["global", "personal", "both"] = Field(
+        "global", description="global: the server's model on the whole test set; personal: each client's "
+                              "personalised model on its own test split (the round's accuracy is then the "
+                              "personal accuracy); both: the two side by side")
+    finetune_steps: int = Field(
+        0, ge=0, description="personal: methods without a personalised model of their own score the global model "
+                             "fine-tuned for this many steps on the client's training data; 0 = the global model")
+    personal_test_fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="share of the test set divided among the clients' test splits, each "
+                                         "test sample to one client, in proportion to the clients' training "
+                                         "samples of its class (and domain)")
+    personal_every: int = Field(
+        1, ge=1, description="mode both: personal scores every this many rounds and at the last round")
+
+    @model_validator(mode="after")
+    def _every(self) -> "EvalConfig":
+        if self.mode == "personal" and self.personal_every != 1:
+            raise ValueError(f"personal_every: {self.personal_every} with mode personal, whose personal accuracy is "
+                             "every round's accuracy; write mode: both to score the clients less often")
+        return self
+
+    def personal_round(self, round_: int, rounds: int) -> bool:
+        """Whether round ``round_`` of ``rounds`` scores the personalised models."""
+        return self.mode != "global" and (round_ % self.personal_every == 0 or round_ == rounds)
+
+
+# Test-accuracy marks of summary.json's rounds_to_accuracy unless report.rounds_to names others.
+ROUND_ACCURACY_MARKS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
+
+
+def default_last_k(rounds: int) -> int:
+    """The last 10 % of ``rounds`` rounded up to an even count, at least 2, at most ``rounds``: under strong
+    label skew accuracy oscillates with period 2, and an even window weighs both phases alike."""
+    return max(1, min(rounds, max(2, 2 * -(-rounds // 20))))
+
+
+class ReportConfig(Strict):
+    """The ``report:`` section: how summary.json condenses the accuracy curve (training does not read it)."""
+
+    last_k: Optional[int] = Field(
+        None, description="summary.json's accuracy_last_k is the mean test accuracy over the last last_k rounds; "
+                          "even, >= 2; null = the last 10 % of rounds rounded up to even, at least 2")
+    rounds_to: list[float] = Field(
+        default_factory=lambda: list(ROUND_ACCURACY_MARKS),
+        description="test-accuracy marks (fractions in (0, 1]) whose first reaching round summary.json's "
+                    "rounds_to_accuracy records; FedDifRC Table 12 uses [0.2, 0.3, 0.4]")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        k = data.get("last_k")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 2 or k % 2):
+            raise ValueError(f"last_k: {k!r} is not an even whole number >= 2 (accuracy under label skew "
+                             "oscillates with period 2, so an odd window favours one phase); write e.g. 10, or null "
+                             "for the last 10 % of rounds")
+        if "rounds_to" not in data:
+            return data
+        marks = data["rounds_to"]
+        if not isinstance(marks, list) or not all(
+                isinstance(m, (int, float)) and not isinstance(m, bool) and 0 < m <= 1 for m in marks):
+            raise ValueError(f"rounds_to: {marks!r} is not a list of accuracies in (0, 1]; write fractions, "
+                             "e.g. [0.2, 0.3, 0.4] for 20, 30 and 40 %")
+        return {**data, "rounds_to": sorted({float(m) for m in marks})}
+
+    def last_k_for(self, rounds: int) -> int:
+        """The window of accuracy_last_k for a run of ``rounds`` evaluated rounds."""
+        return min(self.last_k, rounds) if self.last_k is not None else default_last_k(rounds)
+
+
 class Config(Strict):
     data: DataConfig = DataConfig()
     partition: Named = Named(name="dirichlet")
@@ -117,6 +206,11 @@ class Config(Strict):
     regularizers: list[Union[str, dict[str, Any]]] = Field(
         default_factory=list, description="terms added to any method's local objective, e.g. [dw]")
     seed: int = 0
+    report: ReportConfig = ReportConfig()
+    logging: list[Literal["csv", "tensorboard", "wandb"]] = Field(
+        default_factory=list, description="metric loggers beside metrics.jsonl (fl/loggers.py): csv (metrics.csv), "
+                                          "tensorboard (<run>/tensorboard/), wandb (when installed); any of them")
+    eval: EvalConfig = EvalConfig()
     meta: dict[str, Any] = Field(default_factory=dict, description="written by fedguide: version, git commit")
 
     @model_validator(mode="after")
@@ -126,11 +220,14 @@ class Config(Strict):
                 f"clients.per_round ({self.clients.per_round}) exceeds clients.num ({self.clients.num}); "
                 "lower clients.per_round"
             )
+        if self.report.last_k is not None and self.report.last_k > self.train.rounds:
+            raise ValueError(f"report.last_k ({self.report.last_k}) exceeds train.rounds ({self.train.rounds}); "
+                             "lower report.last_k or leave it unset (the last 10 % of rounds)")
         return self
 
 
 # Keys a named section owns itself (not parameters of the entry it names).
-SECTION_KEYS = {"data": ("fraction", "public_fraction", "public_seed")}
+SECTION_KEYS = {"data": ("fraction", "public_fraction", "public_seed", "on_device")}
 
 
 def parse_value(text: str) -> Any:
@@ -141,20 +238,39 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    out = copy.deepcopy(raw)
-    for item in overrides:
+def _split_override(item: Union[str, tuple[str, Any]]) -> tuple[list[str], Any]:
+    """('method.mu=0.5' or ('method.mu', 0.5)) -> (['method', 'mu'], 0.5)."""
+    if isinstance(item, tuple):
+        key, value = item
+    else:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not key=value; write e.g. train.rounds=5")
-        key, value = item.split("=", 1)
-        parts = key.strip().split(".")
-        if not all(parts):
-            raise ConfigError(f"override key '{key}' is malformed; write dotted keys like method.mu=0.01")
+        key, text = item.split("=", 1)
+        value = parse_value(text)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override key '{key}' is malformed; write dotted keys like method.mu=0.01")
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[Union[str, tuple[str, Any]]]) -> dict[str, Any]:
+    """``raw`` with dotted overrides applied: 'key=YAML value' strings or (key, value) pairs.
+
+    Order-independent for a section's entry: every ``SECTION.name`` override is applied first, so
+    ``method.mu=0.5 method.name=fedprox`` is FedProx with mu 0.5, and a parameter the newly named
+    entry lacks (``method.mu=0.5 method.name=fedavg``) is refused by name when the config is resolved.
+    Switching a section's ``name`` drops the parameters the config gave the previous entry. The other
+    overrides apply in the order given (a later one wins)."""
+    out = copy.deepcopy(raw)
+    items = [_split_override(o) for o in overrides]
+    names = [(p, v) for p, v in items if len(p) == 2 and p[1] == "name"]
+    rest = [(p, v) for p, v in items if not (len(p) == 2 and p[1] == "name")]
+    for parts, value in names + rest:
         node = out
         for p in parts[:-1]:
             nxt = node.setdefault(p, {})
             if not isinstance(nxt, dict):
-                raise ConfigError(f"override '{key}': '{p}' is a value, not a section")
+                raise ConfigError(f"override '{'.'.join(parts)}': '{p}' is a value, not a section")
             node = nxt
         if parts[-1] == "name" and len(parts) == 2 and node.get("name") not in (None, value):
             # Switching method/model/partition/dataset drops the old entry's parameters, which the
@@ -163,7 +279,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             kept = {k: v for k, v in node.items() if k in own}
             node.clear()
             node.update(kept)
-        node[parts[-1]] = parse_value(value)
+        node[parts[-1]] = value
     return out
 
 

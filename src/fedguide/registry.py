@@ -114,7 +114,9 @@ class Registry(Generic[T]):
         except ValidationError as err:
             fields = ", ".join(entry.params.model_fields) or "(none)"
             problems = "; ".join(
-                f"{'.'.join([where, *(str(p) for p in e['loc'])])}: {e['msg'].removeprefix('Value error, ')}"
+                f"{'.'.join([where, *(str(p) for p in e['loc'])])}: "
+                + (f"{self.kind} '{name}' has no parameter '{e['loc'][0]}'"
+                   if e["type"] == "extra_forbidden" and len(e["loc"]) == 1 else e["msg"].removeprefix("Value error, "))
                 for e in err.errors()
             )
             raise ConfigError(f"{problems} — valid keys for {self.kind} '{name}': name, {fields}") from None

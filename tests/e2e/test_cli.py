@@ -107,3 +107,55 @@ def test_reuse_synthetic_flag_sets_the_method_option(tmp_path):
     assert resolved["method"]["reuse_synthetic"] == str(earlier)
     proc = cli("run", str(cfg), "--dry-run", "--reuse-synthetic", str(earlier), check=False)
     assert proc.returncode == 2 and "reuse_synthetic" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_dry_run_sweep_labels_each_combination_and_takes_list_values(tmp_path):
+    cfg = tiny_config(tmp_path / "cfg.yaml")
+    out = cli("run", str(cfg), "--dry-run", "--out", str(tmp_path / "sweep"),
+              "--sweep", "model.mapping=[[16], []]", "--sweep", "seed=0,1")
+    blocks = out.stdout.split("# sweep run ")[1:]
+    assert len(blocks) == 4 and not (tmp_path / "sweep").exists()
+    expected = [("model.mapping=[16] seed=0", [16], 0), ("model.mapping=[16] seed=1", [16], 1),
+                ("model.mapping=[] seed=0", [], 0), ("model.mapping=[] seed=1", [], 1)]
+    for i, (block, (label, mapping, seed)) in enumerate(zip(blocks, expected), 1):
+        head, body = block.split("\n", 1)
+        assert head.startswith(f"{i}/4: {label}  (folder ") and head.endswith(": new)")
+        resolved = yaml.safe_load(body.split("partition summary:")[0])
+        assert resolved["model"]["mapping"] == mapping and resolved["seed"] == seed
+
+
+def test_sweep_checks_every_combination_before_the_first_run(tmp_path):
+    cfg = tiny_config(tmp_path / "cfg.yaml")
+    # fedprox comes first and would run before fedavg failed on mu, were the combinations not all checked first
+    proc = cli("run", str(cfg), "--out", str(tmp_path / "sweep"), "method.mu=0.5",
+               "--sweep", "method.name=fedprox,fedavg", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "1 of 2 sweep combinations are invalid, so none ran" in proc.stderr
+    assert "method.name=fedavg: method.mu: method 'fedavg' has no parameter 'mu'" in proc.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_sweep_run_again_skips_finished_runs_and_continues_the_unfinished_one(tmp_path):
+    import fedguide
+    from fedguide.fl.engine import TIMING_METRICS
+    from tiny import Crash, crash_after
+
+    cfg = tiny_config(tmp_path / "cfg.yaml", train={"rounds": 3, "epochs": 1})
+    parent = tmp_path / "sweep"
+    # Stopped during seed=1's second round: seed=0 finished, seed=1 has round 1 on disk (log lines:
+    # seed=0 starting, 3 rounds, seed=1 starting, round 1).
+    with pytest.raises(Crash):
+        fedguide.sweep(cfg, ["seed=0,1"], out=parent, log=crash_after(6))
+    finished = (parent / "seed=0" / "summary.json").read_bytes()
+    assert not (parent / "seed=1" / "summary.json").exists() and len(metrics(parent / "seed=1")) == 1
+
+    out = cli("run", str(cfg), "--out", str(parent), "--quiet", "--sweep", "seed=[0, 1]")
+    assert "[1/2] seed=0: finished before, skipped" in out.stdout
+    assert "[2/2] seed=1: continuing" in out.stdout
+    assert (parent / "seed=0" / "summary.json").read_bytes() == finished
+    ref = fedguide.sweep(cfg, ["seed=1"], out=tmp_path / "ref", quiet=True)[0]
+
+    def untimed(rows):
+        return [{k: v for k, v in r.items() if k not in TIMING_METRICS} for r in rows]
+    assert untimed(metrics(parent / "seed=1")) == untimed(ref.metrics)
+    assert "| fedavg | digits |" in out.stdout  # the comparison table over both runs

@@ -42,7 +42,7 @@ def test_domain_partition_reports_per_domain_accuracy(tmp_path):
     text = (report / "report.md").read_text()
     assert "Per-domain test accuracy" in text
     header = next(line for line in text.splitlines() if line.startswith("| method | partition |"))
-    assert header.split("|")[3:6] == [" uci ", " fonts ", " mnistm_like "]
+    assert header.split("|")[3:7] == [" last k ", " uci ", " fonts ", " mnistm_like "]
     heatmaps = sorted(report.glob("partition_*_domains.png"))
     assert len(heatmaps) == 1 and heatmaps[0].read_bytes().startswith(PNG)
     assert heatmaps[0].name in text

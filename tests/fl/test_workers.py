@@ -20,7 +20,7 @@ from fedguide.fl.setup import prepare
 from fedguide.fl.runtimes.local import DEFAULT_THREADS, LocalParams, WorkerCrashed, auto_workers, resolve_workers
 from fedguide.methods import METHODS
 from fedguide.fl.engine import TIMING_METRICS
-from tiny import GUIDED_METHODS
+from tiny import GUIDED_METHODS, SWEEP_OVERRIDES
 
 
 def config(workers, method="fedavg", **over):
@@ -28,7 +28,7 @@ def config(workers, method="fedavg", **over):
         "data": {"name": "digits"},
         "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
         "model": {"name": "mlp"},
-        "method": {"name": method},
+        "method": {"name": method, **SWEEP_OVERRIDES.get(method, {})},
         "clients": {"num": 6, "per_round": 4},
         "train": {"rounds": 3, "epochs": 1, "batch_size": 32, "lr": 0.05},
         "runtime": {"workers": workers, "threads_per_worker": 1},

@@ -119,6 +119,31 @@ def test_dataset_features_are_computed_once_and_validated(fused, sd_model, tmp_p
     np.testing.assert_allclose(rebuilt, feats, atol=2e-4)  # another batch size: float rounding only
 
 
+def test_an_interrupted_extraction_resumes_with_identical_features(fused, tmp_path, monkeypatch):
+    x, p = images(6, seed=2), prompts(6)
+    key = fused.key("tiny", "train")
+    whole = fused.dataset(FeatureStore(tmp_path / "whole"), key, x, p, batch_size=2, progress=False, chunk_size=2)
+    real, calls = DiffusionFeatures.__call__, []
+
+    def killed_after_two_batches(self, imgs, prm, indices, *rest, **kw):
+        if len(calls) == 2:  # chunks [0, 2) and [2, 4) finished, [4, 6) not begun
+            raise KeyboardInterrupt
+        calls.append(list(indices))
+        return real(self, imgs, prm, indices, *rest, **kw)
+
+    monkeypatch.setattr(DiffusionFeatures, "__call__", killed_after_two_batches)
+    store = FeatureStore(tmp_path / "resumed")
+    with pytest.raises(KeyboardInterrupt):
+        fused.dataset(store, key, x, p, batch_size=2, progress=False, chunk_size=2)
+    calls.clear()
+    resumed = fused.dataset(store, key, x, p, batch_size=2, progress=False, chunk_size=2)
+    assert calls == [[4, 5]]  # the finished chunks were not computed again
+    assert (store.path(key) / "features.npy").read_bytes() == (FeatureStore(tmp_path / "whole").path(key)
+                                                               / "features.npy").read_bytes()
+    np.testing.assert_array_equal(resumed, whole)
+    assert not store.chunks_path(key).exists()
+
+
 def test_the_key_carries_the_fitted_basis(fused, sd_model):
     refit = DiffusionFeatures(sd_model, FeatureSpec(LAYERS, t=150), FusedFeatures(LAYERS, d=32, samples_per_image=16))
     refit.fit(images(12, seed=6), prompts(12), np.arange(12), batch_size=6)

@@ -319,3 +319,94 @@ def test_bad_arguments_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="num_items"):
         FeatureStore(tmp_path).get_or_compute(make_key(), 0, CountingCompute(), progress=False)
     assert replace(make_key(), seed=3).seed == 3
+
+
+# ---- chunks: an interrupted extraction resumes where it stopped ----------------------------------------
+def chunked(store: FeatureStore, key: FeatureKey, compute, n: int = 10, **kw) -> np.ndarray:
+    # Batches of 2, chunks of 4 items: chunks [0, 4), [4, 8), [8, 10).
+    return store.get_or_compute(key, n, compute, batch_size=2, chunk_size=4, progress=False, **kw)
+
+
+def interrupted(store: FeatureStore, key: FeatureKey, fail_at_batch: int = 3) -> None:
+    with pytest.raises(RuntimeError, match="GPU fell over"):
+        chunked(store, key, CountingCompute(fail_at_batch=fail_at_batch))
+
+
+def test_an_interrupted_extraction_recomputes_only_the_missing_chunks(tmp_path):
+    whole_store, key = FeatureStore(tmp_path / "whole"), make_key()
+    whole = chunked(whole_store, key, CountingCompute())
+    store = FeatureStore(tmp_path / "resumed")
+    interrupted(store, key)  # batches 0 and 1 make chunk [0, 4); batch 2 was computed, batch 3 failed
+    assert store.open(key) is None
+    assert sorted(p.name for p in store.chunks_path(key).glob("chunk-*")) == ["chunk-000000000000.safetensors"]
+    compute = CountingCompute()
+    resumed = chunked(store, key, compute)
+    assert [b.tolist() for b in compute.batches] == [[4, 5], [6, 7], [8, 9]]
+    np.testing.assert_array_equal(resumed, whole)
+    assert (store.path(key) / "features.npy").read_bytes() == (whole_store.path(key) / "features.npy").read_bytes()
+    assert not store.chunks_path(key).exists()  # removed once the features are cached
+    assert [p.name for p in (tmp_path / "resumed").iterdir()] == [store.path(key).name]
+
+
+def test_chunk_boundaries_are_whole_batches(tmp_path):
+    store, key, compute = FeatureStore(tmp_path), make_key(), CountingCompute()
+    store.get_or_compute(key, 11, compute, batch_size=4, chunk_size=5, progress=False)
+    # chunk_size 5 rounds up to 8 items: the batches are those of an unchunked extraction
+    assert [len(b) for b in compute.batches] == [4, 4, 3]
+
+
+def test_chunks_of_another_batch_size_are_not_mixed_in(tmp_path):
+    store, key = FeatureStore(tmp_path), make_key()
+    interrupted(store, key)
+    compute = CountingCompute()
+    features = store.get_or_compute(key, 10, compute, batch_size=5, chunk_size=5, progress=False)
+    assert [b.tolist()[0] for b in compute.batches] == [0, 5]
+    np.testing.assert_array_equal(features, expected_features(10))
+
+
+def test_a_damaged_chunk_is_computed_again(tmp_path):
+    store, key = FeatureStore(tmp_path), make_key()
+    interrupted(store, key, fail_at_batch=4)  # chunks [0, 4) and [4, 8) finished
+    first = store.chunks_path(key) / "chunk-000000000000.safetensors"
+    raw = bytearray(first.read_bytes())
+    raw[-2] ^= 0xFF  # a data byte: only the chunk's checksum tells
+    first.write_bytes(bytes(raw))
+    compute = CountingCompute()
+    features = chunked(store, key, compute)
+    assert [b.tolist() for b in compute.batches] == [[0, 1], [2, 3], [8, 9]]
+    np.testing.assert_array_equal(features, expected_features(10))
+
+
+def test_rebuild_discards_finished_chunks(tmp_path):
+    store, key = FeatureStore(tmp_path), make_key()
+    interrupted(store, key)
+    compute = CountingCompute()
+    chunked(store, key, compute, rebuild=True)
+    assert len(compute.batches) == 5
+
+
+def test_leftover_chunks_beside_a_finished_cache_are_removed(tmp_path):
+    store, key = FeatureStore(tmp_path), make_key()
+    chunked(store, key, CountingCompute())
+    store.chunks_path(key).mkdir()
+    (store.chunks_path(key) / "chunk-000000000000.safetensors").write_bytes(b"left by a killed process")
+    compute = CountingCompute()
+    chunked(store, key, compute)
+    assert compute.batches == [] and not store.chunks_path(key).exists()
+
+
+def test_progress_of_a_resumed_extraction_starts_at_its_finished_chunks(tmp_path, monkeypatch):
+    import fedguide.guidance.store as store_module
+
+    store, key = FeatureStore(tmp_path), make_key()
+    interrupted(store, key)
+    seen = []
+    real = store_module.progress_bar
+
+    def spy(total, description, **kw):
+        seen.append((total, kw["completed"]))
+        return real(total, description, **kw)
+
+    monkeypatch.setattr(store_module, "progress_bar", spy)
+    chunked(store, key, CountingCompute())
+    assert seen == [(10, 4)]

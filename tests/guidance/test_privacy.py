@@ -1,11 +1,12 @@
 """(ε, δ) of the Gaussian mechanism: the classic bound and the analytic one (Balle & Wang 2018) on
-hand-computed cases, composition, and FedDISC's noised-mean sensitivity."""
+hand-computed cases, composition, and FedDISC's noised-mean sensitivity (on the features, and on
+unCLIP's standardised embeddings)."""
 import math
 
 import pytest
 
 from fedguide.guidance.privacy import (GaussianPrivacy, analytic_delta, analytic_epsilon, classic_epsilon, compose_mu,
-                                       noised_mean_privacy)
+                                       noised_mean_privacy, standardised_noised_mean_privacy)
 from fedguide.registry import ConfigError
 
 
@@ -65,12 +66,26 @@ def test_noised_mean_sensitivity_hand_computed():
     assert report["classic_valid"] is False  # classic ε = 4.196 is outside its proof's range
 
 
+def test_standardised_noised_mean_sensitivity_hand_computed():
+    # ᾱ = 0.64, B = 2, c = 3, smallest normaliser std 0.5, a mean of 4 features:
+    # s = (c·z − μ)/σ moves by at most c·(2B/m)/min σ = 3·1/0.5 = 6, so Δ = 6·√0.64 = 4.8; σ = √0.36 = 0.6; μ = 8
+    q = standardised_noised_mean_privacy(0.64, 2.0, 3.0, 0.5, 4, 1e-5)
+    assert q.sensitivity == pytest.approx(4.8)
+    assert q.sigma == pytest.approx(0.6)
+    assert q.mu == pytest.approx(8.0)
+    assert q.epsilon == pytest.approx(analytic_epsilon(8.0, 1e-5), rel=1e-9)
+    # c = 1 and unit stds: the features' own figure
+    assert standardised_noised_mean_privacy(0.64, 2.0, 1.0, 1.0, 4, 1e-5).mu == noised_mean_privacy(0.64, 2.0, 4, 1e-5).mu
+
+
 @pytest.mark.parametrize("call", [
     lambda: classic_epsilon(1.0, 0.0),
     lambda: classic_epsilon(0.0, 1e-5),
     lambda: GaussianPrivacy(1.0, 0.0, 1e-5),
     lambda: noised_mean_privacy(1.0, 1.0, 1, 1e-5),  # ᾱ = 1 adds no noise
     lambda: noised_mean_privacy(0.5, 1.0, 0, 1e-5),
+    lambda: standardised_noised_mean_privacy(0.5, 1.0, 1.0, 0.0, 2, 1e-5),  # a zero std: unbounded
+    lambda: standardised_noised_mean_privacy(0.5, 1.0, 0.0, 1.0, 2, 1e-5),
 ])
 def test_bad_input_is_a_config_error(call):
     with pytest.raises(ConfigError):

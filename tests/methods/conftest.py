@@ -124,3 +124,16 @@ def digits_config(tiny_unclip, feature_cache):
         raw["partition"] = dict(SEMI)
         return build_config(raw)
     return make
+
+
+# ---- threads ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def one_thread():
+    """Torch on one thread, as the tiny runs' runtime (threads_per_worker 1) puts it: tests that open a run
+    in-process and train or generate there would otherwise run on every core the test machine shares."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -80,3 +80,13 @@ def test_load_server_state_rejects_unexpected_state():
     method.load_server_state({})
     with pytest.raises(ValueError, match="no server state"):
         method.load_server_state({"x": torch.zeros(1)})
+
+
+def test_a_regulariser_on_a_method_with_its_own_loop_is_refused(tmp_path):
+    """FedRep trains in its own loop (Method.fit): a dw term would be dropped, so composing is an error."""
+    from fedguide.fl.setup import open_run, prepare
+    from fedguide.registry import ConfigError
+    from tests.tiny import tiny_config
+
+    with pytest.raises(ConfigError, match=r"regularizers \[dw\].*'FedRep' trains its clients in its own loop"):
+        open_run(prepare(tiny_config(method={"name": "fedrep"}, regularizers=["dw"])), tmp_path)

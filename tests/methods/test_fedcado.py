@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedguide.methods.fedcado import BatchNormStatistics, FedCADOParams, bn_statistics_loss, guidance_loss
-from fedguide.methods._distill import aggregation_loss, distillation_loss, teacher_targets
+from fedguide.methods._distill import aggregation_loss, distillation_loss, teacher_targets, train_on_labeled
 from fedguide.methods._one_shot import client_class_accuracy
-from fedguide.methods._synthetic import (SyntheticStore, check_image_data, from_uint8, round_robin_labels,
-                                         to_model_input, to_uint8)
+from fedguide.methods._synthetic import (GenerationJob, SyntheticStore, check_image_data, from_uint8,
+                                         generate_set, round_robin_labels, to_model_input, to_uint8)
 from fedguide.config import build_config, load_config
 from fedguide.data.sources.base import DatasetSplits
 from fedguide.fl.setup import prepare
@@ -292,8 +292,9 @@ def test_one_shot_run_end_to_end(tiny_folder, tmp_path, sampler_calls):
     store = SyntheticStore.of_run(run_dir)
     partition = json.loads((run_dir / "partition.json").read_text())["counts"]
     for cid in (0, 1):
-        part = store.load(cid)
-        assert part.images.dtype == torch.uint8 and part.images.shape == (4, 3, 32, 32)
+        part = store.load(cid)  # stored at the classifiers' input size (8x8 RGB), not the generator's 32x32
+        assert part.images.dtype == torch.uint8 and part.images.shape == (4, 3, 8, 8)
+        assert [p.name for p in store.chunk_files(cid)] == ["chunk_0000.safetensors"]
         held = {c for c, n in enumerate(partition[cid]) if n > 0}
         assert set(part.labels.tolist()) == held  # every class the client holds, only those
         assert store.path(cid, ".png").stat().st_size > 0
@@ -301,41 +302,155 @@ def test_one_shot_run_end_to_end(tiny_folder, tmp_path, sampler_calls):
         assert recipe["edit_steps"] == 2 and recipe["bn_loss"] and recipe["teacher"]["name"] == "resnet10"
     index = json.loads((store.folder / "index.json").read_text())
     assert index["images"] == 8 and [c["client"] for c in index["clients"]] == [0, 1]
+    assert index["clients"][0]["files"] == ["client_000/chunk_0000.safetensors"]
     log = [json.loads(line) for line in (store.folder / "generation.jsonl").read_text().splitlines()]
-    assert [r["client"] for r in log] == [0, 1] and all(r["images_per_second"] > 0 for r in log)
+    assert [(r["client"], r["chunk"]) for r in log] == [(0, 0), (1, 0)] and all(r["images_per_second"] > 0 for r in log)
 
 
 class Killed(Exception):
     """Stands for the process dying while the server generates."""
 
 
-def test_a_killed_run_resumes_without_regenerating_finished_clients(tiny_folder, tmp_path, sampler_calls, monkeypatch):
-    cfg = build_config(raw_config(tiny_folder, tmp_path, {}))
+def test_a_killed_run_resumes_per_chunk_to_the_uninterrupted_set(tiny_folder, tmp_path, sampler_calls, monkeypatch):
+    # two chunks of two images per client: the run dies while generating client 0's second chunk
+    cfg = build_config(raw_config(tiny_folder, tmp_path, {"gen_batch_size": 2, "chunk_images": 2}))
     counting = samplers.sample
 
-    def dies_on_the_second_client(model, prompts, config, *args, **kwargs):
+    def dies_on_the_second_chunk(model, prompts, config, *args, **kwargs):
         if len(sampler_calls) == 1:
             raise Killed
         return counting(model, prompts, config, *args, **kwargs)
 
-    monkeypatch.setattr(samplers, "sample", dies_on_the_second_client)
+    monkeypatch.setattr(samplers, "sample", dies_on_the_second_chunk)
     with pytest.raises(Killed):
         run_tiny(tmp_path, cfg)
     store = SyntheticStore.of_run(tmp_path / "run")
-    assert store.clients() == [0] and len(sampler_calls) == 1  # client 0 was written as soon as it was done
+    assert [p.name for p in store.chunk_files(0)] == ["chunk_0000.safetensors"]  # written as soon as it was done
+    assert store.clients() == [0] and len(sampler_calls) == 1
     first = store.load(0).images.clone()
     monkeypatch.setattr(samplers, "sample", counting)
     _, rows, _ = run_tiny(tmp_path, cfg, resume=True)  # what `fedguide resume` does
-    assert len(sampler_calls) == 2 and rows[0]["generation_clients_skipped"] == 1 and rows[0]["generated_images"] == 4
-    assert torch.equal(store.load(0).images, first)  # read back, not regenerated
-    changed = build_config(raw_config(tiny_folder, tmp_path, {"images_per_class": 1}))
+    assert len(sampler_calls) == 4 and rows[0]["generation_chunks_skipped"] == 1 and rows[0]["generated_images"] == 6
+    assert torch.equal(store.load(0).images[:2], first)  # read back, not regenerated
+    _, _, ref_dir = run_tiny(tmp_path, cfg, name="uninterrupted")
+    reference = SyntheticStore.of_run(ref_dir)
+    for cid in (0, 1):  # the resumed set is the set of a run that was never killed
+        assert torch.equal(store.load(cid).images, reference.load(cid).images)
+        assert torch.equal(store.load(cid).labels, reference.load(cid).labels)
+    calls = len(sampler_calls)
+    changed = build_config(raw_config(tiny_folder, tmp_path, {"gen_batch_size": 2, "chunk_images": 2,
+                                                              "images_per_class": 1}))
     with pytest.raises(ConfigError, match="already holds a run"):  # a finished run is never overwritten
         run_tiny(tmp_path, changed, name="run")
     (tmp_path / "run" / "config.yaml").unlink()  # the folder emptied of its run but for the synthetic files
     shutil.rmtree(tmp_path / "run" / "checkpoints")
     run_tiny(tmp_path, changed, name="run")
-    assert len(sampler_calls) == 4  # another recipe: both files are stale, neither is reused
-    assert len(store.load(0).labels) == 2
+    assert len(sampler_calls) == calls + 2  # another recipe: every chunk is stale, none is reused
+    assert len(store.load(0).labels) == 2 and len(store.chunk_files(0)) == 1  # the surplus chunk is removed
+
+
+def test_chunks_give_the_images_of_one_sampler_call(gmodel, tmp_path):
+    """Chunked generation (first_index carries each image's noise; chunks end between sampler batches) gives
+    the images of generating the client's whole sequence at once, guidance batch statistics included."""
+    splits, clf = splits_of((3, 8, 8)), bn_classifier()
+    config = dict(steps=2, batch_size=2, progress=False, edit_steps=1, edit_lr=1.0, seed=5)
+
+    def generate(prompts, labels, first_index):
+        with BatchNormStatistics(clf) as bn:
+            return samplers.sample(gmodel, prompts, samplers.SamplerConfig(**config, first_index=first_index),
+                                   loss_fn=guidance_loss(clf, splits, labels, True, bn, 0.1))
+
+    job = GenerationJob(0, [0, 2], {"test": 1}, generate)
+    prompts = ["a photo of a cat", "a photo of a dog", "a photo of a car"]
+    sets = {}
+    for chunk in (2, 6):
+        store = SyntheticStore(tmp_path / f"chunk{chunk}")
+        synthetic, stats = generate_set(store, [job], lambda ls: [prompts[c] for c in ls], 3, chunk, splits)
+        assert stats.generated_images == 6 and len(store.chunk_files(0)) == 6 // chunk
+        sets[chunk] = (store.load(0), synthetic)
+    (a, set_a), (b, set_b) = sets[2], sets[6]
+    assert torch.equal(a.images, b.images) and a.labels.tolist() == [0, 2, 0, 2, 0, 2]
+    # the set reads rows in any order from its chunk files, as the classifiers take them
+    idx = torch.tensor([5, 0, 3])
+    torch.testing.assert_close(set_a.inputs(idx), set_b.inputs(idx))
+    torch.testing.assert_close(set_a.inputs(idx), (a.images[idx].float() / 255 - 0.5) / 0.25)
+
+
+def _peak_rss_growth_mb(work) -> float:
+    """How far the process's resident memory peaks above where it stood, during ``work()`` (Linux: the
+    peak is reset through /proc/self/clear_refs)."""
+    def status(key: str) -> float:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024
+        raise KeyError(key)
+
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory kept by the allocator would hide a rise
+    before = status("VmRSS:")
+    Path("/proc/self/clear_refs").write_text("5")
+    work()
+    return status("VmHWM:") - before
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS is reset through Linux's /proc")
+def test_peak_memory_does_not_grow_with_the_number_of_images(gmodel, tmp_path):
+    """Generation and training from the set, N and 4N images: the peak stays where it was. The tiny
+    pipeline's images are enlarged to 256 px, a generator's size, so a set held in memory at the
+    generator's resolution (0.8 MB per image as float) would add ≥ 18 MB per N = 8 images."""
+    splits = splits_of((3, 32, 32))
+
+    def generate(prompts, labels, first_index):
+        config = samplers.SamplerConfig(steps=1, guidance_scale=1.0, batch_size=8, progress=False,
+                                        first_index=first_index)
+        result = samplers.sample(gmodel, prompts, config)
+        result.images = F.interpolate(result.images, size=256, mode="nearest")
+        return result
+
+    def generate_and_train(n: int, folder: Path) -> None:
+        job = GenerationJob(0, [0, 1], {"n": n}, generate)
+        synthetic, _ = generate_set(SyntheticStore(folder), [job], lambda ls: ["a photo of a cat"] * len(ls),
+                                    n // 2, 8, splits)
+        torch.manual_seed(0)
+        model = build_model("mlp", MODELS.parse_params("mlp", {"hidden": 16}, "m"), splits.model_spec())
+        train_on_labeled(model, synthetic.inputs, synthetic.labels, None, 1, 8,
+                         torch.optim.SGD(model.parameters(), lr=0.01), torch.Generator().manual_seed(0))
+
+    generate_and_train(8, tmp_path / "warm-up")  # first-call allocations (threads, caches) are not the set's
+    # the least of two runs each: the allocator's state left by other tests moves single readings by a few MB
+    small = min(_peak_rss_growth_mb(lambda: generate_and_train(8, tmp_path / f"n{i}")) for i in range(2))
+    large = min(_peak_rss_growth_mb(lambda: generate_and_train(32, tmp_path / f"4n{i}")) for i in range(2))
+    assert large < small + 8, (small, large)
+
+
+def test_a_set_written_before_chunking_is_still_read(tmp_path):
+    """One client_000.safetensors of uint8 RGB at the generator's 32x32: read as one chunk, brought to 8x8 grey."""
+    from safetensors.torch import save_file
+
+    from fedguide.methods._synthetic import SyntheticSet
+
+    images = torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    folder = tmp_path / "synthetic"
+    folder.mkdir()
+    save_file({"images": images, "labels": torch.tensor([2, 0, 2])}, folder / "client_000.safetensors",
+              metadata={"recipe": json.dumps({"class_names": ["a", "b", "c"]})})
+    store = SyntheticStore.reused(str(tmp_path))
+    assert store.clients() == [0] and json.loads(store.metadata(0)["recipe"])["class_names"] == ["a", "b", "c"]
+    splits = splits_of((1, 8, 8))
+    synthetic = SyntheticSet(splits, store.parts(0))
+    torch.testing.assert_close(synthetic.inputs(torch.tensor([2, 0])),
+                               to_model_input(splits, from_uint8(images[[2, 0]])))
+    assert synthetic.labels.tolist() == [2, 0, 2]
+
+
+def test_chunk_size_is_whole_sampler_batches():
+    assert METHODS.parse_params("sd_gen", {"gen_batch_size": 4}, "method").chunk == 16
+    assert METHODS.parse_params("sd_gen", {"gen_batch_size": 4, "chunk_images": 8}, "method").chunk == 8
+    with pytest.raises(ConfigError, match="multiple of gen_batch_size.*use e.g. 12"):
+        METHODS.parse_params("fedcado", {"gen_batch_size": 4, "chunk_images": 10}, "method")
 
 
 def test_reused_synthetic_set_trains_another_aggregation_without_generating(tiny_folder, tmp_path, sampler_calls):
@@ -390,6 +505,25 @@ def test_sd_gen_generates_without_classifiers_and_clients_do_not_train(tiny_fold
     assert rows[0]["bytes_up"] == 2 * (4 * 10 + 8)  # class masks only
     recipe = json.loads(SyntheticStore.of_run(run_dir).metadata(0)["recipe"])
     assert recipe["method"] == "text-only" and "teacher_weights" not in recipe
+
+
+def test_prompt_template_is_a_parameter(tiny_folder, tmp_path, monkeypatch):
+    assert FedCADOParams().prompt == "a photo of a {}"  # the class name only: no client or domain words
+    seen = []
+    real = samplers.sample
+
+    def recording(model, prompts, config, *args, **kwargs):
+        seen.extend(prompts)
+        return real(model, prompts, config, *args, **kwargs)
+
+    monkeypatch.setattr(samplers, "sample", recording)
+    raw = raw_config(tiny_folder, tmp_path, {"name": "sd_gen", "prompt": "an image of {}"})
+    _, _, run_dir = run_tiny(tmp_path, build_config(raw))
+    names = prepare(build_config(raw)).data.splits.class_names
+    assert seen and set(seen) <= {f"an image of {n.lower()}" for n in names}
+    assert json.loads(SyntheticStore.of_run(run_dir).metadata(0)["recipe"])["prompt"] == "an image of {}"
+    with pytest.raises(ConfigError, match="must contain \\{\\} once"):
+        METHODS.parse_params("fedcado", {"prompt": "a photo"}, "method")
 
 
 def test_smoke_config_validates_and_runs_where_the_embedded_weights_exist(tmp_path):

@@ -86,8 +86,8 @@ def test_selection_never_worse_than_fedavg_choice():
 
 
 def test_params_default_and_validation():
-    p = FedCDAParams()
-    assert (p.memory, p.warmup_rounds, p.block_size, p.max_sweeps) == (3, 10, 1, 10)
+    p = FedCDAParams()  # the paper's Sec. 6.1: K = 3, B = 3 batches, 50 warm-up rounds
+    assert (p.memory, p.warmup_rounds, p.batches, p.block_size, p.max_sweeps) == (3, 50, 3, None, 10)
     with pytest.raises(ValueError):
         FedCDAParams(memory=0)
 
@@ -127,6 +127,20 @@ def test_warmup_is_fedavg(tmp_path):
     store.commit(1)
     out = method.aggregate(2, None, _uploads([[0.0, 0.0], [10.0, 10.0]], sizes=(1, 3)))
     assert torch.allclose(out, t([7.5, 7.5]))  # sample-weighted mean of this round's uploads
+
+
+def test_participants_are_searched_in_b_blocks_unless_a_block_size_is_given(tmp_path, monkeypatch):
+    import fedguide.methods.fedcda as fedcda
+
+    blocks = []
+    real = fedcda.select_models
+    monkeypatch.setattr(fedcda, "select_models", lambda c, w, block, *a: blocks.append(block) or real(c, w, block, *a))
+    vectors = [[float(i), 0.0] for i in range(7)]
+    method, _ = _method(tmp_path / "b", warmup_rounds=0)
+    method.aggregate(1, None, _uploads(vectors, sizes=[1] * 7))
+    method, _ = _method(tmp_path / "s", warmup_rounds=0, block_size=2)
+    method.aggregate(1, None, _uploads(vectors, sizes=[1] * 7))
+    assert blocks == [3, 2]  # ⌈7 / 3⌉, then the explicit size
 
 
 # ---- in-process runs on 8x8 digits ------------------------------------------------------------------

@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from fedguide.methods.feddf import FedDF
+from fedguide.methods.feddf import FedDF, to_run_format
 from fedguide.methods._distill import distillation_loss, fit, mean_logit_targets
 from fedguide.config import build_config
 from fedguide.core.aggregation import sample_weighted_average
 from fedguide.core.weights import WeightLayout
+from fedguide.data.sources.base import DatasetSplits
+from fedguide.fl.setup import open_run, prepare
 from fedguide.models import MODELS, ModelSpec, build_model
 from fedguide.registry import ConfigError
 from tiny import BASE, run_tiny
@@ -88,3 +90,73 @@ def test_heterogeneous_clients_distil_into_the_global_architecture(tmp_path):
     summary, rows, _ = run_tiny(tmp_path, build_config(raw_config({"client_models": models})))
     assert rows[0]["fedavg_start_clients"] == 1 and math.isfinite(rows[0]["distillation_loss"])
     assert summary["model"] == "mlp"
+
+
+# ---- the public pool ---------------------------------------------------------------------------------------
+def image_folder(root, classes=("ant", "bee"), per_class=3, size=12):
+    """root/<class>/*.png: flat colour images, class k's red channel 40 + 80k."""
+    from PIL import Image
+
+    for k, name in enumerate(classes):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            Image.new("RGB", (size, size), (40 + 80 * k, 10 * i, 200)).save(root / name / f"{i}.png")
+    return root
+
+
+def public(root, **extra):
+    return {"public": {"source": "dataset", "name": "imagefolder", "root": str(root), "domain_level": False,
+                       "test_fraction": 0.3, **extra}}
+
+
+def test_pool_pixels_are_restandardised_for_the_run():
+    pool = DatasetSplits(torch.full((1, 3, 2, 2), 1.0), torch.zeros(1, dtype=torch.long), torch.zeros(1, 3, 2, 2),
+                         torch.zeros(1, dtype=torch.long), ["a"], pixel_stats=((0.5, 0.5, 0.2), (0.25, 0.25, 0.4)))
+    # pool pixels: 0.5 + 0.25 = 0.75, 0.75, 0.2 + 0.4 = 0.6; grey run: mean 0.7, standardised (0.7 - 0.5) / 0.1
+    grey = DatasetSplits(torch.zeros(1, 1, 2, 2), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, 2, 2),
+                         torch.zeros(1, dtype=torch.long), ["a"], pixel_stats=(0.5, 0.1))
+    torch.testing.assert_close(to_run_format(pool, grey, "p"), torch.full((1, 1, 2, 2), 2.0))
+    rgb = DatasetSplits(torch.zeros(1, 3, 2, 2), torch.zeros(1, dtype=torch.long), torch.zeros(1, 3, 2, 2),
+                        torch.zeros(1, dtype=torch.long), ["a"], pixel_stats=((0.75, 0.5, 0.6), (1.0, 0.5, 0.2)))
+    torch.testing.assert_close(to_run_format(pool, rgb, "p")[0, :, 0, 0], torch.tensor([0.0, 0.5, 0.0]))
+    small = DatasetSplits(torch.zeros(1, 3, 4, 4), torch.zeros(1, dtype=torch.long), torch.zeros(1, 3, 4, 4),
+                          torch.zeros(1, dtype=torch.long), ["a"], pixel_stats=(0.5, 0.5))
+    with pytest.raises(ConfigError, match="2x2 images, the model takes 4x4; set method.public.image_size: 4"):
+        to_run_format(pool, small, "p")
+
+
+def test_a_public_dataset_is_distilled_on_instead_of_a_split(tmp_path, monkeypatch):
+    root = image_folder(tmp_path / "pool")
+    seen = {}
+    real = FedDF.public_inputs
+
+    def spy(self):
+        seen["x"] = real(self)
+        return seen["x"]
+
+    monkeypatch.setattr(FedDF, "public_inputs", spy)
+    # no split is held out at all: the pool is the folder's 2 classes x 2 training images, at the run's 8x8
+    summary, rows, _ = run_tiny(tmp_path, build_config(raw_config(public(root), public_fraction=0.0)))
+    assert seen["x"].shape == (4, 3, 8, 8) and rows[0]["public_images"] == 4
+    assert summary["method_params"]["public"]["name"] == "imagefolder"
+
+
+def test_the_split_pool_is_labelled_in_the_summary(tmp_path):
+    summary, _, _ = run_tiny(tmp_path, build_config(raw_config({})))
+    assert summary["method_params"]["public"] == {"source": "split", "name": None}
+    with pytest.raises(ConfigError, match="the keys root are for source: dataset"):
+        prepare(build_config(raw_config({"public": {"root": "x"}})))
+
+
+def test_a_pool_the_model_cannot_take_is_refused_before_training(tmp_path):
+    root = image_folder(tmp_path / "pool")
+    # at set-up (what --dry-run builds): images of another size
+    with pytest.raises(ConfigError, match="image_size 16 gives 16x16 images, the model takes 8x8"):
+        open_run(prepare(build_config(raw_config(public(root, image_size=16)))), tmp_path / "dry")
+    # at load, before any client trains: a missing folder; scikit-learn's digits, which declare no pixel
+    # statistics to convert with
+    for name, method, message in (("a", public(tmp_path / "nowhere"), "method.public.root .* does not exist"),
+                                  ("b", {"public": {"source": "dataset", "name": "digits"}}, "pixel statistics")):
+        with pytest.raises(ConfigError, match=message):
+            run_tiny(tmp_path, build_config(raw_config(method)), name=name)
+        assert not list((tmp_path / name).glob("client_state/committed/*"))

@@ -8,10 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedguide.fl.setup import prepare
+from fedguide.config import GuidanceConfig, to_yaml
+from fedguide.fl.setup import open_run, prepare
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec
+from fedguide.guidance.shared import guidance_model
 from fedguide.guidance.fused import FusedFeatures
-from fedguide.methods._diffusion_features import RowLookup, prompt_vectors
+from fedguide.methods._diffusion_features import RowLookup, prompt_maps, prompt_vectors
 from fedguide.methods.align_features import alignment_loss
 from fedguide.methods.feddifrc import (linear_probe, max_halving_dim, ndcr_loss, orthonormal_lift, tdcl_loss,
                                        tdcl_similarity)
@@ -27,6 +29,8 @@ def t(rows):
 
 
 def config(tiny_sd, fmnist_root, cache, method="feddifrc", model=None, **params):
+    if method == "feddifrc":  # the pipeline's 32 px: the paper's 224 px is 49 times the UNet work on a CPU
+        params.setdefault("image_size", "pipeline")
     return tiny_config({"data": {"name": "fmnist", "root": str(fmnist_root)}, "model": model or {"name": "mlp"},
                         "guidance": {"model": str(tiny_sd), "feature_cache": str(cache)}, "train": {"rounds": 2}},
                        method={"name": method, **params})
@@ -191,8 +195,40 @@ def test_runs_end_to_end_and_records_its_setup(tmp_path, tiny_sd, fmnist_root):
     assert record["tdcl_features"]["shape"] == [n, CLASSES, 64]  # every sample x every class prompt x d
     assert record["ndcr_features"]["shape"] == [n, 64]
     assert "seeded sample of the clients' training images" in record["basis_fit"]
+    assert record["image_size"] == {"requested": "pipeline", "pixels": 32, "latents": 8, "pipeline_pixels": 32}
     assert (run_dir / "guidance" / "feddifrc_tdcl.safetensors").is_file()
     assert (run_dir / "guidance" / "feddifrc_ndcr.safetensors").is_file()
+
+
+def test_input_size_defaults_to_the_papers_and_a_size_the_vae_cannot_take_is_refused_by_dry_run(
+        tmp_path, tiny_sd, fmnist_root, capsys):
+    from fedguide.cli import main
+
+    _, method = open_run(prepare(config(tiny_sd, fmnist_root, tmp_path / "c", image_size="paper")), tmp_path / "a")
+    assert method.image_size == 224  # Sec. 4.1, on a pipeline that is not one of fedguide's 32-px models
+    path = tmp_path / "cfg.yaml"
+    path.write_text(to_yaml(config(tiny_sd, fmnist_root, tmp_path / "c", image_size=30)))
+    assert main(["run", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "method.image_size=30: the pipeline's VAE downsamples by 4" in err and "use 28 or 32" in err
+
+
+def test_embedded_models_give_the_features_they_gave_before_the_size_option(tmp_path, fmnist_root):
+    # The methods' default on the embedded models (28-px Fashion-MNIST) resolves to their own 32 px, and the
+    # features made at the resolved size are bit for bit those of the path without a size (the code before).
+    embedded = {"guidance": {"model": "embedded", "feature_cache": str(tmp_path / "c")}}
+    for method in ({"name": "feddifrc", "fused_dim": 32}, {"name": "semanticfl"}):
+        cfg = tiny_config({"data": {"name": "fmnist", "root": str(fmnist_root)}, **embedded,
+                           "model": {"name": "mlp", "feature_dim": 32}}, method=method)
+        _, built = open_run(prepare(cfg), tmp_path / method["name"])
+        assert built.image_size == 32
+    model = guidance_model(GuidanceConfig(model="embedded"))
+    images = torch.rand(3, 1, 28, 28, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    tokens = model.encode_text(("a photo of a 1", "a photo of a 2")).tokens
+    for t_ in (0, 150):
+        before, after = (prompt_maps(DiffusionFeatures(model, FeatureSpec(LAYERS, t=t_, image_size=size)), images,
+                                     np.arange(3), tokens, torch.tensor([[0, 1]] * 3)) for size in (None, 32))
+        assert all(torch.equal(before[k], after[k]) for k in LAYERS)
 
 
 def test_features_are_computed_once(tmp_path, tiny_sd, fmnist_root, unet_calls):

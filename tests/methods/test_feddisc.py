@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import prepare
@@ -19,8 +20,10 @@ from fedguide.guidance.samplers import SamplerConfig, sample
 from fedguide.guidance.shared import guidance_model
 from fedguide.guidance.tiny import IMAGE_EMBED
 from fedguide.methods import ClientContext
+from fedguide.fl.setup import open_run
 from fedguide.methods._centroids import (UPLOAD_KEYS, CentroidParams, client_summary, cluster_centroids,
                                          merge_small_clusters, noise_features)
+from fedguide.methods._feature_noise import FeatureNoise, resolve_process
 from fedguide.methods._frozen_encoder import class_prototypes, labeled_set, pseudo_labels
 from fedguide.methods.feddisc import check_conditioning, composed_conditions, plan_generation
 from fedguide.registry import ConfigError
@@ -116,6 +119,70 @@ def test_noise_formula():
     assert torch.allclose(noisy, 0.8 * z + 0.6 * eps)
 
 
+@pytest.fixture
+def standardising(unclip_model):
+    """The tiny unCLIP normaliser with a non-trivial mean and std for one test (it is shared: restored)."""
+    norm = unclip_model.image_normalizer
+    saved = norm.mean.detach().clone(), norm.std.detach().clone()
+    with torch.no_grad():
+        norm.mean.copy_(torch.linspace(-1.0, 1.0, IMAGE_EMBED))
+        norm.std.copy_(torch.linspace(0.5, 2.0, IMAGE_EMBED))
+    yield unclip_model
+    with torch.no_grad():
+        norm.mean.copy_(saved[0])
+        norm.std.copy_(saved[1])
+
+
+def test_unclip_noise_is_the_image_schedulers_add_noise_on_standardised_embeddings(standardising):
+    model, c, level = standardising, 1.7, 200
+    z = torch.randn(3, IMAGE_EMBED, generator=torch.Generator().manual_seed(1))
+    noise = FeatureNoise.of("unclip", model, level, scale=c)
+    out = noise.apply(z, torch.Generator().manual_seed(5))
+    eps = torch.randn((3, IMAGE_EMBED), generator=torch.Generator().manual_seed(5))
+    mean, std = model.image_normalizer.mean.detach(), model.image_normalizer.std.detach()
+    sched = model.image_noising_scheduler
+    standardised = (c * z - mean) / std
+    # the scheduler's own add_noise on the standardised embedding, unstandardised and mapped back by 1/c
+    via_scheduler = (sched.add_noise(standardised, eps, torch.full((3,), level)) * std + mean) / c
+    torch.testing.assert_close(out, via_scheduler)
+    # and by hand, with ᾱ read from the loaded image-noising scheduler (not the UNet's schedule)
+    alpha = float(sched.alphas_cumprod[level])
+    assert noise.alpha_bar == pytest.approx(alpha) and alpha != pytest.approx(float(model.alpha_bar(level)))
+    by_hand = ((math.sqrt(alpha) * standardised + math.sqrt(1 - alpha) * eps) * std + mean) / c
+    torch.testing.assert_close(out, by_hand, atol=1e-5, rtol=1e-5)
+    # its privacy: Δ = 2Bc√ᾱ/(m·min σ), min σ = 0.5
+    assert noise.privacy(4.0, 2, 1e-5).sensitivity == pytest.approx(2 * 4.0 * c * math.sqrt(alpha) / (2 * 0.5))
+
+
+def test_unet_schedule_noise_is_eq5_on_the_features(unclip_model):
+    z = torch.randn(3, IMAGE_EMBED, generator=torch.Generator().manual_seed(1))
+    noise = FeatureNoise.of("unet_schedule", unclip_model, 200)
+    alpha = float(unclip_model.alpha_bar(200))
+    assert noise.alpha_bar == pytest.approx(alpha) and noise.schedule["scheduler"] == "scheduler"
+    assert torch.equal(noise.apply(z, torch.Generator().manual_seed(5)),
+                       noise_features(z, alpha, torch.Generator().manual_seed(5)))
+    assert noise.privacy(4.0, 2, 1e-5).mu == pytest.approx(noised_mean_privacy(alpha, 4.0, 2, 1e-5).mu)
+
+
+def test_noise_process_follows_the_pipeline_and_refuses_unclip_without_its_parts(digits_config, tiny_sd, tmp_path):
+    assert resolve_process("auto", True) == "unclip" and resolve_process("auto", False) == "unet_schedule"
+    assert resolve_process("unet_schedule", True) == "unet_schedule"
+    cfg = digits_config({"name": "feddisc", "noise_process": "unclip"}, guidance={"model": str(tiny_sd)})
+    with pytest.raises(ConfigError, match="noise_process=unclip needs an unCLIP pipeline"):
+        open_run(prepare(cfg), tmp_path / "dry")  # what --dry-run builds
+
+
+def test_noised_conditions_keep_the_embedding_and_carry_the_level(unclip_model):
+    from diffusers.models.embeddings import get_timestep_embedding
+
+    context = unclip_model.encode_text(["a photo of a 3"] * 2).tokens
+    z = torch.randn(2, IMAGE_EMBED)
+    (cond,) = composed_conditions(unclip_model, context, [(2.0, z)], noise_level=200, noised=True)
+    assert torch.equal(cond.class_labels[:, :IMAGE_EMBED], z)  # not noised a second time
+    level = get_timestep_embedding(torch.tensor([200, 200]), IMAGE_EMBED, flip_sin_to_cos=True, downscale_freq_shift=0)
+    torch.testing.assert_close(cond.class_labels[:, IMAGE_EMBED:], level)
+
+
 # ---- the upload ---------------------------------------------------------------------------------------
 def test_client_summary_upload_holds_only_centroids_domain_features_and_counts():
     rng = np.random.default_rng(0)
@@ -141,7 +208,9 @@ def test_upload_audit_on_a_real_client(digits_config, tmp_path):
     ctx, method = Experiment(prepared, tmp_path / "run", log=lambda s: None).build_context()
     method.setup()
     payload = method.server_payload(1, 0, ctx.initial_weights)
-    assert set(payload) == {"prototypes", "prototype_present"}
+    # the unCLIP noise process's embedding scale c is the server's (its labeled images'), a scalar
+    assert set(payload) == {"prototypes", "prototype_present", "condition_scale"}
+    assert isinstance(payload["condition_scale"], float) and payload["condition_scale"] > 0
     data = ctx.data.client(0)
     upload = method.client_upload(ctx.model, ClientContext(0, 1, data, payload, {}))
     n, d, classes = len(data), IMAGE_EMBED, ctx.num_classes
@@ -212,9 +281,34 @@ def test_conditioning_must_match_the_encoder():
 
 
 # ---- end to end -------------------------------------------------------------------------------------------
+class UNetLevels:
+    """The noise levels the UNet is told in its class labels (the sinusoidal half), per pass, until exit."""
+
+    def __init__(self, model, levels=(0, 200)):
+        from diffusers.models.embeddings import get_timestep_embedding
+
+        self.known = {lv: get_timestep_embedding(torch.tensor([lv]), IMAGE_EMBED, flip_sin_to_cos=True,
+                                                 downscale_freq_shift=0)[0] for lv in levels}
+        self.seen: set = set()
+        self.handle = model.unet.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        for row in kwargs["class_labels"][:, IMAGE_EMBED:]:
+            self.seen.add(next((lv for lv, e in self.known.items() if torch.allclose(row, e, atol=1e-6)), "other"))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
 def test_feddisc_one_shot_run(digits_config, tmp_path):
     cfg = digits_config({"name": "feddisc", **FAST}, rounds=2)
-    summary, rows, run_dir = run_tiny(tmp_path, cfg)
+    with UNetLevels(guidance_model(cfg.guidance)) as unet:
+        summary, rows, run_dir = run_tiny(tmp_path, cfg)
+    # the image conditions carry Eq. 5's level 200; the text-only passes an empty embedding at level 0
+    assert unet.seen == {0, 200}
     first, second = rows
     assert 0.0 <= first["accuracy"] <= 1.0 and summary["accuracy_curve"] == [first["accuracy"]] * 2
     assert first["bytes_up"] > 0 and first["bytes_down"] > 0
@@ -225,14 +319,38 @@ def test_feddisc_one_shot_run(digits_config, tmp_path):
     assert first["generated_images"] % FAST["images_per_centroid"] == 0
     assert set(first["domain_accuracy"]) == {"uci", "fonts", "mnistm_like"}
     assert len(first["class_accuracy"]) == 10
-    # the privacy figure: B = √16 = 4, m = min_cluster_size = 2, ᾱ of the pipeline's schedule at n = 200
-    alpha = float(guidance_model(cfg.guidance).alpha_bar(200))
-    expected = noised_mean_privacy(alpha, 4.0, 2, 1e-5)
-    assert first["privacy"]["epsilon"] == pytest.approx(expected.epsilon)
-    assert first["privacy"]["sensitivity"] == pytest.approx(2 * 4.0 * math.sqrt(alpha) / 2)
+    # the privacy figure of the unCLIP process (the default on this pipeline): B = √16 = 4, m = 2, ᾱ of the
+    # image-noising scheduler at n = 200, the embedding scale c and the normaliser's smallest std (1 here)
+    model = guidance_model(cfg.guidance)
     report = json.loads((run_dir / "privacy.json").read_text())
+    alpha = float(model.image_noising_scheduler.alphas_cumprod[200])
+    c = report["condition_scale"]
+    assert first["privacy"]["noise_process"] == report["noise_process"] == "unclip"
+    assert report["noise_schedule"]["scheduler"] == "image_noising_scheduler"
+    assert first["privacy"]["alpha_bar"] == pytest.approx(alpha)
+    assert first["privacy"]["sensitivity"] == pytest.approx(2 * 4.0 * c * math.sqrt(alpha) / (2 * 1.0))
+    assert first["privacy"]["epsilon"] == pytest.approx(noised_mean_privacy(alpha, 4.0 * c, 2, 1e-5).epsilon)
     assert report["epsilon_upload"] > report["epsilon"]
     assert (run_dir / "feddisc_samples.png").is_file()
+    # the grid's images, for 'fedguide analyze --samples': 8-bit, at most sample_grid a class, each with
+    # the client whose domain feature guided it
+    kept = load_file(run_dir / "feddisc_samples.safetensors")
+    assert kept["images"].dtype == torch.uint8 and kept["images"].shape[1] == 3
+    assert len(kept["images"]) == len(kept["labels"]) == len(kept["clients"]) > 0
+    assert torch.bincount(kept["labels"]).max() <= FAST["sample_grid"] and set(kept["clients"].tolist()) <= {0, 1}
+
+
+def test_unet_schedule_process_noises_the_features_and_tells_the_unet_level_0(digits_config, tmp_path):
+    cfg = digits_config({"name": "feddisc", **FAST, "sample_grid": 0, "noise_process": "unet_schedule"})
+    with UNetLevels(guidance_model(cfg.guidance)) as unet:
+        _, (row,), run_dir = run_tiny(tmp_path, cfg)
+    assert unet.seen == {0}
+    alpha = float(guidance_model(cfg.guidance).alpha_bar(200))  # the UNet's training schedule
+    report = json.loads((run_dir / "privacy.json").read_text())
+    assert row["privacy"]["noise_process"] == report["noise_process"] == "unet_schedule"
+    assert report["noise_schedule"]["scheduler"] == "scheduler" and "condition_scale" not in report
+    assert row["privacy"]["epsilon"] == pytest.approx(noised_mean_privacy(alpha, 4.0, 2, 1e-5).epsilon)
+    assert row["privacy"]["sensitivity"] == pytest.approx(2 * 4.0 * math.sqrt(alpha) / 2)
 
 
 @pytest.mark.parametrize("ablation", [{"use_domain_features": False}, {"random_centroids": True}])

@@ -117,6 +117,26 @@ def test_semifl_runs_and_server_training_fits_the_labeled_set(config, tmp_path):
     assert method.server_update(1, [up]) is method.head  # nobody active: the head stays
 
 
+def test_semifl_evaluates_after_its_server_training_step(config, tmp_path, monkeypatch):
+    """The released code's round: clients, aggregation, supervised server training, test."""
+    from fedguide.methods.semifl import SemiFL
+
+    events = []
+    for name, tag in (("_supervised", "server"), ("client_train", "client"), ("server_update", "aggregate"),
+                      ("evaluate", "evaluate")):
+        real = getattr(SemiFL, name)
+
+        def spy(self, *args, _real=real, _tag=tag, **kwargs):
+            events.append(_tag)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(SemiFL, name, spy)
+    run_tiny(tmp_path, config({"name": "semifl", "threshold": 0.3, "strong_views": 2}, rounds=2))
+    # round 1 opens with its own server step; every round closes with one, before it is evaluated
+    assert events == ["server", "client", "client", "aggregate", "server", "evaluate",
+                      "client", "client", "aggregate", "server", "evaluate"]
+
+
 # ---- RSCFed ----------------------------------------------------------------------------------------------------
 def test_rscfed_pieces_hand_computed():
     p = torch.tensor([[0.6, 0.4]])

@@ -100,6 +100,43 @@ def test_feddw_defaults_to_a_bias_free_head_and_refuses_an_explicit_bias(tmp_pat
         Experiment(prepare(cfg), tmp_path / "run", log=lambda s: None).run()
 
 
+def test_feddw_defaults_to_the_papers_two_mapping_layers_unless_given():
+    # Sec. V-A: two FC mapping layers and a 128-d vector into the classification layer
+    assert prepare(tiny({"name": "feddw"}, model={"name": "mlp"})).config.model.params_dict()["mapping"] == [128, 128]
+    assert prepare(tiny({"name": "feddw"})).config.model.params_dict()["mapping"] == [32]  # the config's own
+    # the dw regulariser on another method leaves that method's architecture as configured
+    moon_dw = prepare(tiny({"name": "moon"}, model={"name": "mlp"}, regularizers=["dw"])).config.model.params_dict()
+    assert moon_dw["mapping"] == [] and moon_dw["head_bias"] is False
+
+
+def test_feddw_mnist_cnn_has_no_pooling_and_its_fc_layers_are_the_mapping_layers():
+    params = MODELS.parse_params("cnn", {"pooling": False, "feature_dim": None, "channels": [10, 20],
+                                         "mapping": [128, 128], "head_bias": False}, "model")
+    m = build_model("cnn", params, ModelSpec((1, 28, 28), 10))
+    assert not any(isinstance(x, torch.nn.MaxPool2d) for x in m.modules())
+    linears = [x for x in m.modules() if isinstance(x, torch.nn.Linear)]
+    # conv 5x5 twice without pooling: 28 -> 24 -> 20; 20 channels x 20 x 20 flattened into mapping layer 1
+    assert [(x.in_features, x.out_features) for x in linears] == [(20 * 20 * 20, 128), (128, 128), (128, 10)]
+    assert m(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    pooled = build_model("cnn", MODELS.parse_params("cnn", {}, "model"), ModelSpec((1, 28, 28), 10))
+    assert sum(isinstance(x, torch.nn.MaxPool2d) for x in pooled.modules()) == 2  # the default keeps its pooling
+    with pytest.raises(ValueError, match="at least 9x9"):
+        build_model("cnn", params, ModelSpec((1, 8, 8), 10))
+
+
+@pytest.mark.parametrize("setting", ["practical", "pathological"])
+def test_feddw_mnist_paper_configs_use_the_unpooled_cnn(setting):
+    from pathlib import Path
+
+    from fedguide.config import load_config
+    from fedguide.fl.setup import resolve
+
+    cfg, parsed = resolve(load_config(Path(__file__).parents[2] / f"configs/paper/feddw_mnist_{setting}.yaml"))
+    model = parsed["model"]
+    assert cfg.model.name == "cnn" and not model.pooling and model.feature_dim is None
+    assert model.mapping == [128, 128]
+
+
 def test_moon_plus_dw_loss_is_moon_loss_plus_mu_times_lreg(tmp_path):
     cfg = tiny({"name": "moon"}, regularizers=[{"name": "dw", "mu": 0.7}])
     exp = Experiment(prepare(cfg), tmp_path / "run", log=lambda s: None)

@@ -121,7 +121,7 @@ def _linear_method():
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     layout = WeightLayout.of(model)  # weight (6 values) then bias (2)
-    run = SimpleNamespace(layout=layout, model=model)
+    run = SimpleNamespace(layout=layout, model=model, device=torch.device("cpu"))
     return model, Scaffold(ScaffoldParams(), run)
 
 

@@ -1,66 +1,18 @@
 """Report subpackage: run loading, the results table, plots and the report() entry point."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
-import yaml
 
 from fedguide.report import RunRecord, load_run, make_plots, report, results_table
 
+from report_runs import ROUNDS, make_run, rows_of, table_rows, with_config
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-ROUNDS = 5
-
-
-def make_run(
-    root: Path,
-    name: str,
-    method: str,
-    seed: int,
-    finals: float,
-    *,
-    method_params: dict | None = None,
-    rounds_done: int = ROUNDS,
-    complete: bool = True,
-    counts: list[list[int]] | None = None,
-    partition_label: str = "dirichlet(alpha=0.1)",
-    bytes_up: int = 2_000_000,
-    wall: float = 10.0,
-) -> Path:
-    """A run directory in the engine's format; the curve rises linearly to ``finals`` and peaks one
-    round earlier at finals + 0.01, so final and best differ and a mix-up shows in the numbers."""
-    d = root / name
-    d.mkdir(parents=True)
-    config = {
-        "data": {"name": "cifar10"},
-        "partition": {"name": "dirichlet", "alpha": 0.1},
-        "method": {"name": method, **(method_params or {})},
-        "clients": {"num": 3, "per_round": 3},
-        "train": {"rounds": ROUNDS},
-        "seed": seed,
-        "meta": {"version": "0.1.0", "git_commit": "abc123"},
-    }
-    (d / "config.yaml").write_text(yaml.safe_dump(config))
-    curve = [finals * (r + 1) / ROUNDS for r in range(ROUNDS)]
-    curve[-2] = finals + 0.01
-    curve = curve[:rounds_done]
-    with open(d / "metrics.jsonl", "w") as fh:
-        for r, acc in enumerate(curve, start=1):
-            fh.write(json.dumps({"round": r, "accuracy": acc, "loss": 1.0 / r, "seconds": wall / ROUNDS,
-                                 "bytes_up": bytes_up, "bytes_down": bytes_up,
-                                 "domain_accuracy": {"a": acc, "b": acc / 2}}) + "\n")
-    if complete:
-        summary = {
-            "method": method, "dataset": "cifar10", "partition": partition_label, "num_clients": 3,
-            "rounds": ROUNDS, "seed": seed, "final_accuracy": curve[-1], "best_accuracy": max(curve),
-            "best_round": curve.index(max(curve)) + 1, "accuracy_curve": curve, "wall_seconds": wall,
-        }
-        (d / "summary.json").write_text(json.dumps(summary))
-    counts = counts or [[10, 0, 5, 1], [0, 20, 3, 2], [7, 7, 0, 9]]
-    (d / "partition.json").write_text(json.dumps({"num_classes": 4, "class_names": list("wxyz"), "counts": counts}))
-    return d
+# Columns of the results table.
+SEEDS, K, LAST, FINAL, BEST, WALL, MB = 5, 6, 7, 8, 9, 10, 11
 
 
 @pytest.fixture
@@ -74,11 +26,6 @@ def runs(tmp_path: Path) -> list[Path]:
         # Unfinished and with a suspiciously high accuracy: it must not leak into fedavg's mean.
         make_run(tmp_path, "fedavg-s2", "fedavg", 2, 0.99, rounds_done=3, complete=False),
     ]
-
-
-def table_rows(md: str) -> list[list[str]]:
-    rows = [line for line in md.splitlines() if line.startswith("|")]
-    return [[c.strip() for c in row.strip("|").split("|")] for row in rows[2:]]
 
 
 def test_load_run(runs):
@@ -106,14 +53,17 @@ def test_table_values_order_and_incomplete(runs):
     rows = table_rows(md)
     assert [r[0] for r in rows] == ["fedprox", "fedavg", "fedavg (incomplete, 3/5 rounds)"]
     prox, avg, live = rows
-    assert prox[6] == "87.00 ± 2.83"
-    assert avg[6] == "82.00 ± 2.83"  # mean/std of 0.80 and 0.84 only; the 0.99 incomplete run excluded
-    assert avg[7] == "83.00 ± 2.83"  # best = final + 1 point in the fixture
-    assert avg[5] == "0, 1" and avg[1] == "cifar10" and avg[2] == "dirichlet(alpha=0.1)"
+    assert prox[FINAL] == "87.00 ± 2.83"
+    assert avg[FINAL] == "82.00 ± 2.83"  # mean/std of 0.80 and 0.84 only; the 0.99 incomplete run excluded
+    assert avg[BEST] == "83.00 ± 2.83"  # best = final + 1 point in the fixture
+    # 5 rounds: k = 2, the mean of the last two rounds (final + 1 point, final): 80.5 and 84.5.
+    assert avg[K] == "2" and avg[LAST] == "82.50 ± 2.83"
+    assert avg[SEEDS] == "0, 1" and avg[1] == "cifar10" and avg[2] == "dirichlet(alpha=0.1)"
     assert avg[3] == "3" and avg[4] == "5"
-    assert avg[8] == "15.0"  # mean wall seconds of 10 and 20
-    assert avg[9] == "2.000"  # MB up per round
-    assert live[5] == "2" and live[6].endswith("± n/a")
+    assert avg[WALL] == "15.0"  # mean wall seconds of 10 and 20
+    assert avg[MB] == "2.000"  # MB up per round
+    # The live run so far: 3 of 5 rounds (0.198, 0.396, 0.594), its window the last 2 of them.
+    assert live[SEEDS] == "2" and live[FINAL].endswith("± n/a") and live[LAST] == "49.50 ± n/a"
 
 
 def test_method_params_that_differ_split_rows(tmp_path):
@@ -125,7 +75,7 @@ def test_method_params_that_differ_split_rows(tmp_path):
     rows = table_rows(results_table(paths))
     # Only the varying param is shown; the shared lr would be noise.
     assert [r[0] for r in rows] == ["fedprox(mu=0.1)", "fedprox(mu=0.01)", "fedavg"]
-    assert rows[0][6] == "75.00 ± n/a"
+    assert rows[0][FINAL] == "75.00 ± n/a"
 
 
 def test_plots_are_valid_pngs(runs, tmp_path):
@@ -163,7 +113,7 @@ def test_report_explicit_out(runs, tmp_path):
     out = tmp_path / "custom"
     res = report(runs[:2] + [runs[0]], out)  # duplicate path is not counted as another seed
     assert res.out_dir == out and len(res.runs) == 2
-    assert table_rows(res.markdown)[0][5] == "0, 1"
+    assert table_rows(res.markdown)[0][SEEDS] == "0, 1"
 
 
 def test_bad_path_raises_value_error(tmp_path):
@@ -191,19 +141,6 @@ def test_partial_last_metrics_line_of_live_run_is_tolerated(tmp_path):
 
 
 # ---- grouping: only runs that differ in their seed share a row ---------------------------------------
-def with_config(run_dir: Path, **dotted) -> Path:
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    for key, value in dotted.items():
-        section, leaf = key.split("__")
-        cfg.setdefault(section, {})[leaf] = value
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
-    return run_dir
-
-
-def rows_of(text: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()[2:] if line.startswith("|")]
-
-
 def test_runs_that_differ_in_a_setting_get_their_own_rows_with_the_setting_shown(tmp_path):
     a = with_config(make_run(tmp_path, "lr-small", "fedavg", 0, 0.40), train__lr=0.01)
     b = with_config(make_run(tmp_path, "lr-large", "fedavg", 0, 0.80), train__lr=0.1)
@@ -212,14 +149,14 @@ def test_runs_that_differ_in_a_setting_get_their_own_rows_with_the_setting_shown
     assert header.rstrip(" |").endswith("train.lr")
     rows = rows_of(text)
     assert len(rows) == 2, text  # not one row "seeds 0, 0" averaging two learning rates
-    assert {(r[0], r[5], r[6], r[-1]) for r in rows} == {("fedavg", "0", "80.00 ± n/a", "0.1"),
+    assert {(r[0], r[SEEDS], r[FINAL], r[-1]) for r in rows} == {("fedavg", "0", "80.00 ± n/a", "0.1"),
                                                           ("fedavg", "0", "40.00 ± n/a", "0.01")}
 
 
 def test_runs_that_differ_only_in_their_seed_share_a_row_with_n_seeds(tmp_path):
     runs = [with_config(make_run(tmp_path, f"s{s}", "fedavg", s, 0.5 + s / 10), train__lr=0.05) for s in range(3)]
     rows = rows_of(results_table(runs))
-    assert len(rows) == 1 and rows[0][5] == "0, 1, 2" and rows[0][6] == "60.00 ± 10.00"
+    assert len(rows) == 1 and rows[0][SEEDS] == "0, 1, 2" and rows[0][FINAL] == "60.00 ± 10.00"
 
 
 def test_two_runs_of_the_same_seed_are_never_averaged(tmp_path):
@@ -228,5 +165,21 @@ def test_two_runs_of_the_same_seed_are_never_averaged(tmp_path):
     text = results_table([a, b])
     rows = rows_of(text)
     assert [r[0] for r in rows] == ["fedavg (seed 0 repeated)"] * 2
-    assert sorted(r[6] for r in rows) == ["40.00 ± n/a", "60.00 ± n/a"]
+    assert sorted(r[FINAL] for r in rows) == ["40.00 ± n/a", "60.00 ± n/a"]
     assert "never averaged" in text
+
+
+def test_personal_metrics_get_their_own_table(tmp_path):
+    """A run scored with eval.mode: both reports its personalised accuracy, minimum and bottom-10 % over clients."""
+    import json
+
+    from tests.tiny import run_tiny, tiny_config
+
+    _, rows, run_dir = run_tiny(tmp_path, tiny_config(train={"rounds": 2}, eval={"mode": "both"}), "personal")
+    text = report([run_dir], tmp_path / "out").markdown_path.read_text()
+    assert "## Personalised test accuracy" in text
+    section = text[text.index("## Personalised test accuracy"):]
+    line = next(l for l in section.splitlines() if l.startswith("| fedavg"))
+    last_two = (rows[0]["personal_accuracy"] + rows[1]["personal_accuracy"]) / 2
+    assert f"{100 * last_two:.2f}" in line
+    assert json.loads((run_dir / "summary.json").read_text())["final_personal_accuracy"] == rows[-1]["personal_accuracy"]

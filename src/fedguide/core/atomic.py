@@ -31,11 +31,12 @@ def write_atomic(path: Path, writer: Callable[[str], None]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
-    # mkstemp makes the file 0600; a run folder is shared like any other output: the user's umask decides.
-    os.fchmod(fd, 0o666 & ~_umask())
     os.close(fd)
     try:
         writer(tmp)
+        # mkstemp makes the file 0600 (and some writers, safetensors' among them, create the file anew): a run
+        # folder is shared like any other output, so the user's umask decides, whoever wrote the bytes.
+        os.chmod(tmp, 0o666 & ~_umask())
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)

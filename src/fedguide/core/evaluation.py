@@ -1,8 +1,9 @@
 """Evaluation of a weight vector on the held-out test set."""
 from __future__ import annotations
 
+import math
 import statistics
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -11,18 +12,32 @@ from fedguide.core.weights import WeightLayout
 
 
 class Evaluator:
+    """Scores weight vectors on the test set. With ``device_data`` the batches come from the run's tensors
+    where it computes; the predictions are scored on the host against ``y``."""
+
     def __init__(self, model: torch.nn.Module, layout: WeightLayout, x: torch.Tensor, y: torch.Tensor, batch_size: int,
-                 domains: Optional[torch.Tensor] = None, domain_names: Optional[list[str]] = None):
+                 domains: Optional[torch.Tensor] = None, domain_names: Optional[list[str]] = None,
+                 device_data: Any = None):
         self.model, self.layout, self.x, self.y, self.batch_size = model, layout, x, y, batch_size
         self.domains, self.domain_names = domains, domain_names
+        self.device_data = device_data
+
+    def _batches(self):
+        """(inputs, labels) of the test set in order, where the model is."""
+        for start in range(0, len(self.y), self.batch_size):
+            stop = start + self.batch_size
+            if self.device_data is None:
+                yield self.x[start:stop], self.y[start:stop]
+            else:
+                yield self.device_data.test_batch(start, stop)
 
     def score(self, predictions: torch.Tensor, logits: Optional[torch.Tensor] = None) -> dict[str, Any]:
         """Accuracy of predicted labels for the whole test set, per domain too where the data has domains
         (``domain_accuracy``: domain name -> accuracy); ``test_loss`` when logits are given."""
-        correct = predictions == self.y
+        correct = predictions.cpu() == self.y  # scored on the host, where the domain ids are
         out: dict[str, Any] = {"accuracy": float(correct.double().mean())}
         if logits is not None:
-            out["test_loss"] = float(F.cross_entropy(logits, self.y))
+            out["test_loss"] = float(F.cross_entropy(logits.cpu(), self.y))
         if self.domains is not None:
             out["domain_accuracy"] = {
                 name: float(correct[self.domains == d].double().mean())
@@ -34,12 +49,11 @@ class Evaluator:
         self.layout.load(self.model, weights)
         self.model.eval()
         preds, loss_sum = [], 0.0
-        for start in range(0, len(self.y), self.batch_size):
-            xb, yb = self.x[start: start + self.batch_size], self.y[start: start + self.batch_size]
+        for xb, yb in self._batches():
             logits = self.model(xb)
             loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
             preds.append(logits.argmax(1))
-        out = self.score(torch.cat(preds))
+        out = self.score(torch.cat(preds).cpu())
         out["test_loss"] = loss_sum / len(self.y)
         return out
 
@@ -49,11 +63,27 @@ class Evaluator:
         self.layout.load(self.model, weights)
         self.model.eval()
         zs, logits = [], []
-        for start in range(0, len(self.y), self.batch_size):
-            z, out = self.model.forward_features(self.x[start: start + self.batch_size])
+        for xb, _ in self._batches():
+            z, out = self.model.forward_features(xb)
             zs.append(z)
             logits.append(out)
-        return torch.cat(zs), torch.cat(logits), self.y
+        z = torch.cat(zs)
+        return z, torch.cat(logits), self.y.to(z.device)
+
+    @torch.no_grad()
+    def correct(self, weights: torch.Tensor, indices: torch.Tensor) -> int:
+        """How many of the test samples ``indices`` (host indices) the model ``weights`` classifies right."""
+        self.layout.load(self.model, weights)
+        self.model.eval()
+        hits = 0
+        for start in range(0, len(indices), self.batch_size):
+            part = indices[start: start + self.batch_size]
+            if self.device_data is None:
+                xb, yb = self.x[part], self.y[part]
+            else:
+                xb, yb = self.device_data.test_batch_at(part)
+            hits += int((self.model(xb).argmax(1) == yb).sum())
+        return hits
 
 
 def mean_metrics(per_model: list[dict[str, Any]]) -> dict[str, Any]:
@@ -67,3 +97,33 @@ def mean_metrics(per_model: list[dict[str, Any]]) -> dict[str, Any]:
                                   for d in per_model[0]["domain_accuracy"]}
     out["client_accuracy_min"], out["client_accuracy_max"] = min(accs), max(accs)
     return out
+
+
+# ---- personalised evaluation: every client's own model on its own test split ----------------------------
+BOTTOM_SHARE = 0.1  # personal_accuracy_bottom10: the mean over the worst-scoring tenth of the clients
+
+
+def personal_metrics(correct: list[int], sizes: list[int]) -> dict[str, Any]:
+    """Personalised accuracy from each client's hits and test-split size: ``personal_accuracy`` (all hits over
+    all test samples: the sample-weighted mean), ``personal_accuracy_min``, ``personal_accuracy_bottom10``
+    (the plain mean over the ceil(10 %) worst clients) and ``personal_client_accuracy`` (per client; None for a
+    client whose split is empty, which the minimum and the bottom tenth leave out)."""
+    per = [c / n if n else None for c, n in zip(correct, sizes)]
+    scored = sorted(a for a in per if a is not None)
+    if not scored:
+        raise ValueError("no client has a personal test sample; raise eval.personal_test_fraction")
+    worst = scored[:max(1, math.ceil(BOTTOM_SHARE * len(scored)))]
+    return {"personal_accuracy": sum(correct) / sum(sizes), "personal_accuracy_min": scored[0],
+            "personal_accuracy_bottom10": statistics.fmean(worst), "personal_client_accuracy": per}
+
+
+def evaluate_personal(evaluator: Evaluator, splits: list, personal_model: Callable[[int], torch.Tensor]
+                      ) -> dict[str, Any]:
+    """``personal_metrics`` of the models ``personal_model(client_id)`` on the clients' test splits
+    (``splits[client_id]``: indices into the test set); clients with an empty split build no model."""
+    correct, sizes = [], []
+    for cid, idx in enumerate(splits):
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        correct.append(evaluator.correct(personal_model(cid), idx) if len(idx) else 0)
+        sizes.append(len(idx))
+    return personal_metrics(correct, sizes)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-PURPOSE = {"data": 1, "partition": 2, "sampling": 3, "client": 4, "model": 5, "public": 6}
+PURPOSE = {"data": 1, "partition": 2, "sampling": 3, "client": 4, "model": 5, "public": 6,
+           "personal": 7, "personal_test": 8}
 
 
 def derive_seed(seed: int, purpose: str, *keys: int) -> int:

@@ -43,7 +43,9 @@ class ClientStateStore:
         folder = self._pending(round_) / str(client_id)
         folder.mkdir(parents=True, exist_ok=True)
         # clone: safetensors refuses tensors that share storage (a view of another entry).
-        tensors = {k: v.detach().clone().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+        # On the CPU: state on disk does not depend on the device that wrote it.
+        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()
+                   if isinstance(v, torch.Tensor)}
         scalars = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
         write_atomic(folder / "tensors.safetensors", lambda tmp: save_file(tensors, tmp))
         write_text(folder / "scalars.json", json.dumps(scalars))

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from fedguide.core.device import autocast
+
 
 def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
     if cfg.optimizer == "adam":
@@ -26,21 +28,32 @@ def has_batchnorm(model: torch.nn.Module) -> bool:
 def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generator: torch.Generator
                 ) -> tuple[float, int]:
     """Run ``cfg.epochs`` epochs (or exactly ``cfg.local_steps`` steps) of the method's local
-    objective; returns (mean loss, steps)."""
-    data = ctx.data
+    objective; returns (mean loss, steps).
+
+    Batches come from ``ctx.device_data`` (the run's tensors where it computes, augmented with
+    ``train.augment``) or, without it, are gathered from the client's host tensors. ``ctx.batch_indices``
+    always holds the batch's host indices, for methods that look up per-sample features.
+    """
+    data, feed = ctx.data, getattr(ctx, "device_data", None)
     n = len(data)
     optimizer = make_optimizer(model, cfg)
     model.train()
     method.begin_local(model, ctx)
+    precision = getattr(cfg, "precision", "fp32")
+    channels_last = getattr(cfg, "channels_last", False)
+    device = feed.device if feed is not None else data.x.device
+    # fp16 gradients underflow without scaling; bf16 keeps fp32's exponent range and needs none.
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     # BatchNorm cannot normalise a batch of one sample; such a trailing batch is skipped.
     min_batch = 2 if has_batchnorm(model) else 1
-    loss_sum = torch.zeros(())
+    loss_sum = torch.zeros((), device=device)
     steps = 0
     budget = cfg.local_steps
     for epoch in itertools.count():
         if (epoch >= cfg.epochs) if budget is None else (steps >= budget or (epoch > 0 and steps == 0)):
             break
         order = data.indices[torch.randperm(n, generator=generator)]
+        kept = feed.indices(order) if feed is not None else order  # one copy of the order per epoch
         for start in range(0, n, cfg.batch_size):
             batch = order[start: start + cfg.batch_size]
             if budget is not None and steps >= budget:
@@ -48,12 +61,26 @@ def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generat
             if batch.numel() < min_batch:
                 continue
             ctx.batch_indices = batch
-            loss = method.local_loss(model, data.x[batch], data.y[batch], ctx)
+            if feed is None:
+                x, y = data.x[batch], data.y[batch]
+            else:
+                x, y = feed.train_batch(kept[start: start + cfg.batch_size])
+            if channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with autocast(device, precision):
+                loss = method.local_loss(model, x, y, ctx)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            method.after_backward(model, ctx)
-            optimizer.step()
-            loss_sum += loss.detach()
+            if scaler is None:
+                loss.backward()
+                method.after_backward(model, ctx)
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)  # a method's gradient edits see the true gradients
+                method.after_backward(model, ctx)
+                scaler.step(optimizer)
+                scaler.update()
+            loss_sum += loss.detach().float()
             steps += 1
     if steps and not torch.isfinite(loss_sum):
         raise FloatingPointError(

@@ -33,6 +33,39 @@ def public_pool(labels: np.ndarray, fraction: float, public_seed: int) -> np.nda
     return stratified_fraction(labels, fraction, numpy_rng(public_seed, "public"))
 
 
+def _largest_remainder(total: int, shares: np.ndarray) -> np.ndarray:
+    """``total`` items split in proportion to ``shares`` (whole numbers summing to ``total``): each gets the
+    floor of its quota, the items left over go to the largest fractional parts (ties to the lower index)."""
+    quota = total * shares / shares.sum()
+    counts = np.floor(quota).astype(np.int64)
+    left = total - int(counts.sum())
+    order = np.argsort(-(quota - counts), kind="stable")
+    counts[order[:left]] += 1
+    return counts
+
+
+def personal_test_splits(train_cells: np.ndarray, client_indices: list[np.ndarray], test_cells: np.ndarray,
+                         fraction: float, rng: np.random.Generator) -> list[np.ndarray]:
+    """Each client's test split: every cell (a class, or a (class, domain) pair) of the test set, shuffled,
+    with ``fraction`` of it handed out in proportion to the clients' training samples in that cell
+    (largest remainders), so a client's test split has its training mix and each test sample goes to at
+    most one client. Test samples of cells no client trains on go to nobody. Sorted indices into the test
+    set, one array per client."""
+    parts: list[list[np.ndarray]] = [[] for _ in client_indices]
+    held = np.stack([np.bincount(train_cells[idx], minlength=int(max(train_cells.max(), test_cells.max())) + 1)
+                     for idx in client_indices])
+    for cell in range(held.shape[1]):
+        pool = np.flatnonzero(test_cells == cell)
+        shares = held[:, cell].astype(np.float64)
+        if shares.sum() == 0 or len(pool) == 0:
+            continue
+        pool = rng.permutation(pool)
+        counts = _largest_remainder(int(round(fraction * len(pool))), shares)
+        for k, (a, b) in enumerate(zip(np.cumsum(counts) - counts, np.cumsum(counts))):
+            parts[k].append(pool[a:b])
+    return [np.sort(np.concatenate(p)) if p else np.empty(0, np.int64) for p in parts]
+
+
 @dataclass
 class ClientData:
     """One client's view: indices into the shared tensors; no copy is made per client or per round."""
@@ -63,6 +96,9 @@ class FederatedData:
     public_indices: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     server_indices: Optional[np.ndarray] = None
     clients_labeled: bool = True
+    # Each client's split of the test set (indices into the test tensors) for personalised evaluation;
+    # None unless eval.mode scores personalised models.
+    personal_test: Optional[list[np.ndarray]] = None
 
     @property
     def num_clients(self) -> int:
@@ -84,6 +120,16 @@ class FederatedData:
 
     def class_counts(self) -> np.ndarray:
         return client_class_counts(self.splits.train_y.numpy(), self.client_indices, self.num_classes)
+
+    def personal_test_split(self, fraction: float, rng: np.random.Generator) -> list[np.ndarray]:
+        """Every client's test split with its training mix of classes, and of domains where the data has them
+        (``personal_test_splits``)."""
+        s = self.splits
+        train, test = s.train_y.numpy(), s.test_y.numpy()
+        if s.train_domains is not None and s.test_domains is not None:
+            d = len(s.domain_names)
+            train, test = train * d + s.train_domains.numpy(), test * d + s.test_domains.numpy()
+        return personal_test_splits(train, self.client_indices, test, fraction, rng)
 
     def domain_counts(self) -> Optional[np.ndarray]:
         """[K, D] samples of each domain per client, or None for data without domains."""

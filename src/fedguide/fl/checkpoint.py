@@ -39,8 +39,9 @@ class Checkpoint:
 
 
 def save_checkpoint(folder: Path, ckpt: Checkpoint) -> Path:
-    tensors = {"global": ckpt.global_weights.contiguous()}
-    tensors.update({f"method.{k}": v.contiguous() for k, v in ckpt.method_state.items()})
+    # On the CPU, whatever device the run computes on: a run resumes on another device.
+    tensors = {"global": ckpt.global_weights.cpu().contiguous()}
+    tensors.update({f"method.{k}": v.cpu().contiguous() for k, v in ckpt.method_state.items()})
     meta = {"progress": json.dumps({"round": ckpt.round, "metrics": ckpt.metrics, "wall_seconds": ckpt.wall_seconds,
                                     "notes": ckpt.notes}),
             "sha256": tensors_sha256(tensors)}

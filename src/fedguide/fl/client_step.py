@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from fedguide.config import TrainConfig
+from fedguide.core.device import to_device
 from fedguide.core.records import Record
 from fedguide.core.seeding import derive_seed, torch_generator
 from fedguide.methods.base import ClientContext, Method, RunContext
@@ -25,8 +26,11 @@ class ClientResult:
 def run_client(ctx: RunContext, method: Method, train: TrainConfig, seed: int, round_: int, client_id: int,
                payload: Record) -> ClientResult:
     # Seeds derive from (seed, round, client) alone, so any worker, in any order, draws the same numbers.
-    cctx = ClientContext(client_id, round_, ctx.data.client(client_id), payload, ctx.store.get(client_id),
-                         generator=torch_generator(seed, "client", round_, client_id))
+    # Payload and state reach the client from the network, a worker's queue or the disk, on the CPU.
+    device = ctx.device if method.on_device else torch.device("cpu")
+    cctx = ClientContext(client_id, round_, ctx.data.client(client_id), to_device(payload, device),
+                         to_device(ctx.store.get(client_id), device),
+                         generator=torch_generator(seed, "client", round_, client_id), device_data=ctx.device_data)
     ctx.layout.load(ctx.model, method.client_start(cctx))
     torch.manual_seed(derive_seed(seed, "client", round_, client_id))
     t0 = time.perf_counter()

@@ -6,6 +6,7 @@ The engine knows the Method and Executor interfaces, never a method's or a runti
 """
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import subprocess
@@ -18,18 +19,20 @@ import torch
 from safetensors.torch import save_file
 
 import fedguide
-from fedguide.config import Config, config_differences, to_yaml
+from fedguide.config import Config, config_differences, flat_keys, to_yaml
 from fedguide.core.atomic import remove_stale_temporaries, write_atomic, write_json, write_jsonl, write_text
+from fedguide.core.device import deterministic, to_device
 from fedguide.core.records import record_bytes
 from fedguide.core.seeding import sample_clients
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedguide.fl.evaluation import personal_summary, personal_test_record, round_evaluation
+from fedguide.fl.loggers import MetricLoggers, check_available, open_loggers
 from fedguide.fl.run_lock import RunLock
 from fedguide.fl.runtimes.base import Executor, RunHandle, Runtime, runtime_of
 from fedguide.fl.setup import Prepared, open_run
 from fedguide.methods import Method, RunContext
 from fedguide.registry import ConfigError
 
-ROUND_ACCURACY_MARKS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
 # Per-round metrics that measure the machine, not the run: excluded when comparing runs for identity.
 TIMING_METRICS = frozenset({"seconds", "train_seconds", "aggregate_seconds", "eval_seconds", "client_fit_seconds"})
 
@@ -40,11 +43,38 @@ def check_fresh(run_dir: Path) -> None:
                           "or choose another --out")
 
 
+# Where a run computes is not part of what it is: a run started on a GPU may resume on a CPU (the same
+# metrics up to float rounding) and the other way round.
+# Nor are the feature cache's folder, a --rebuild of it, and how the summary condenses the curve (report:).
+UNPINNED = (("train", "device"), ("data", "on_device"), ("guidance", "device"), ("guidance", "rebuild"),
+            ("guidance", "feature_cache"))
+
+
 def pinned_config(cfg: Config) -> dict[str, Any]:
-    """What a checkpoint pins: the resolved config without ``meta`` (versions, commit)."""
+    """What a checkpoint pins: the resolved config without ``meta`` (versions, commit) and the device keys."""
     raw = cfg.model_dump(mode="json")
     raw.pop("meta", None)
+    raw.pop("logging", None)  # how a run is watched is not what it computes: a resume may change it
+    raw.pop("report", None)
+    for section, key in UNPINNED:
+        raw.get(section, {}).pop(key, None)
     return raw
+
+
+def unpinned_defaults(pinned: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """``now`` without the keys a checkpoint written by an older fedguide lacks where they hold their
+    default (a setting added since, such as train.precision: fp32, did not change that run)."""
+    defaults = flat_keys(pinned_config(Config()))
+    old = flat_keys(pinned)
+    dropped = {k for k, v in flat_keys(now).items() if k not in old and defaults.get(k, object()) == v}
+    out = copy.deepcopy(now)
+    for key in dropped:
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            node = node[part]
+        node.pop(last, None)
+    return out
 
 
 def partition_label(cfg: Config) -> str:
@@ -82,6 +112,7 @@ class Experiment:
         self.log = log
         self.progress = progress  # a rich Progress or None
         self.runtime = runtime if runtime is not None else runtime_of(prepared)
+        check_available(self.cfg.logging)  # a missing optional package is named before the run starts
 
     def build_context(self) -> tuple[RunContext, Method]:
         """The run context and method of this run, not set up (``fl.setup.open_run``)."""
@@ -107,6 +138,7 @@ class Experiment:
             record["server_samples"] = int(len(data.server_indices))
         if not data.clients_labeled:
             record["clients_labeled"] = False
+        record.update(personal_test_record(data))
         return record
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -118,7 +150,8 @@ class Experiment:
             else:
                 remove_stale_temporaries(self.run_dir)
                 (self.run_dir / "stopped.json").unlink(missing_ok=True)
-            return self._run(resume)
+            with deterministic(self.cfg.train.deterministic):
+                return self._run(resume)
 
     def _run(self, resume: bool) -> dict[str, Any]:
         ctx, method = open_run(self.p, self.run_dir)
@@ -136,8 +169,9 @@ class Experiment:
         else:
             notes = self._check_resumable(ckpt)
             method.setup()
-            method.load_server_state(ckpt.method_state)
-            global_w, metrics, start, wall0 = ckpt.global_weights, ckpt.metrics, ckpt.round + 1, ckpt.wall_seconds
+            method.load_server_state(to_device(ckpt.method_state, ctx.device if method.on_device else "cpu"))
+            global_w, metrics, start, wall0 = (ckpt.global_weights.to(ctx.device), ckpt.metrics, ckpt.round + 1,
+                                               ckpt.wall_seconds)
             write_jsonl(self.run_dir / "metrics.jsonl", metrics)
             self.log(f"resuming {self.run_dir} after round {ckpt.round}")
         rounds = self.cfg.train.rounds
@@ -145,7 +179,9 @@ class Experiment:
         task = self.progress.add_task("rounds", total=rounds, completed=start - 1) if self.progress else None
         clients = self.runtime.start(RunHandle(self.p, ctx, method, self.run_dir, self.log, workers, threads, ckpt))
         pinned = pinned_config(self.cfg)
+        loggers = MetricLoggers()
         try:
+            loggers = open_loggers(self.cfg.logging, self.run_dir, self.cfg, metrics)
             if ckpt is not None:  # the executor may have moved client state elsewhere (ctx.store)
                 ctx.store.recover(ckpt.round)
                 ctx.server_store.recover(ckpt.round)
@@ -167,12 +203,16 @@ class Experiment:
                 write_jsonl(self.run_dir / "metrics.jsonl", metrics)
                 ctx.store.commit(r)
                 ctx.server_store.commit(r)
+                loggers.log(m, metrics)
                 self.log(round_line(m, rounds))
                 if task is not None:
                     self.progress.update(task, advance=1)
             return self._finish(ctx, clients, global_w, metrics, wall0 + time.perf_counter() - t_run, notes)
         finally:
-            clients.close()
+            try:
+                clients.close()
+            finally:
+                loggers.close()
 
     def _check_resumable(self, ckpt: Checkpoint) -> dict[str, Any]:
         """Refuse a resume whose config.yaml or data no longer describe the checkpointed run; the run's
@@ -184,7 +224,7 @@ class Experiment:
         notes = dict(ckpt.notes)
         if ckpt.config is None:  # a checkpoint written before configs were pinned
             return notes
-        now = pinned_config(self.cfg)
+        now = unpinned_defaults(ckpt.config, pinned_config(self.cfg))
         old_rounds, new_rounds = ckpt.config["train"]["rounds"], now["train"]["rounds"]
         same_but_rounds = {**now, "train": {**now["train"], "rounds": old_rounds}} == ckpt.config
         if same_but_rounds and new_rounds > old_rounds:
@@ -207,7 +247,9 @@ class Experiment:
         jobs = [(cid, method.server_payload(r, cid, global_w)) for cid in chosen]
         down = sum(record_bytes(payload) for _, payload in jobs)
         results = clients.run_round(r, jobs, global_w)
-        uploads = [{**res.upload, "client_id": res.client_id} for res in results]
+        # Uploads from other processes arrive on the CPU; the server aggregates where it computes.
+        where = ctx.device if method.on_device else torch.device("cpu")
+        uploads = [{**to_device(res.upload, where), "client_id": res.client_id} for res in results]
         up = sum(record_bytes(res.upload) for res in results)
         # The round's train loss is the mean over the clients whose fit trained the run's model (inference-only
         # clients report None), null when none did.
@@ -217,7 +259,7 @@ class Experiment:
         t_train = time.perf_counter()
         global_w = method.aggregate(r, global_w, uploads)
         t_agg = time.perf_counter()
-        evaluation = method.evaluate(r, global_w)
+        evaluation = round_evaluation(cfg, ctx, method, r, global_w)
         t_eval = time.perf_counter()
         m = {"round": r, "accuracy": evaluation["accuracy"], "loss": loss,
              "seconds": t_eval - t0, "train_seconds": t_train - t0, "aggregate_seconds": t_agg - t_train,
@@ -230,10 +272,11 @@ class Experiment:
     def _finish(self, ctx: RunContext, clients: Executor, global_w: torch.Tensor, metrics: list[dict],
                 wall: float, notes: dict[str, Any]) -> dict[str, Any]:
         ctx.layout.load(ctx.model, global_w)
-        state = {k: v.contiguous() for k, v in ctx.model.state_dict().items()}
+        state = {k: v.cpu().contiguous() for k, v in ctx.model.state_dict().items()}
         write_atomic(self.run_dir / "model.safetensors", lambda tmp: save_file(state, tmp))
         curve = [m["accuracy"] for m in metrics]
         best = int(np.argmax(curve))
+        last_k = self.cfg.report.last_k_for(len(curve))
         summary = {
             # "+dw" marks a composed regulariser, so reports keep MOON and MOON+DW apart.
             "method": self.cfg.method.name + "".join(f"+{r['name']}" for r in self.cfg.regularizers),
@@ -249,10 +292,14 @@ class Experiment:
             "final_accuracy": curve[-1],
             "best_accuracy": curve[best],
             "best_round": metrics[best]["round"],
+            # The number to compare: under label skew accuracy oscillates with period 2, so a final round
+            # mostly measures the phase (README, "Results").
+            "accuracy_last_k": float(np.mean(curve[-last_k:])),
+            "last_k": last_k,
             "accuracy_curve": curve,
             **({"domain_accuracy": metrics[-1]["domain_accuracy"]} if "domain_accuracy" in metrics[-1] else {}),
             "rounds_to_accuracy": {str(a): next((m["round"] for m in metrics if m["accuracy"] >= a), None)
-                                   for a in ROUND_ACCURACY_MARKS},
+                                   for a in self.cfg.report.rounds_to},
             "wall_seconds": wall,
             "mean_round_seconds": float(np.mean([m["seconds"] for m in metrics])),
             "workers": clients.workers,
@@ -260,6 +307,7 @@ class Experiment:
             "bytes_up_total": int(sum(m["bytes_up"] for m in metrics)),
             "bytes_down_total": int(sum(m["bytes_down"] for m in metrics)),
         }
+        summary.update(personal_summary(self.cfg, metrics))
         summary.update(notes)
         summary.update(clients.finish(metrics))
         write_json(self.run_dir / "summary.json", summary)

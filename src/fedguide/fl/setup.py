@@ -15,14 +15,18 @@ import torch
 import yaml
 
 from fedguide.config import SECTION_KEYS, Config, build_config
+from fedguide.core.device import check_precision, deterministic, free_bytes, resolve_device
 from fedguide.core.evaluation import Evaluator
 from fedguide.core.seeding import derive_seed, numpy_rng
 from fedguide.core.state import ClientStateStore
 from fedguide.core.weights import WeightLayout
+from fedguide.data.augment import build_augment, check_augment
+from fedguide.data.device_data import DeviceData
 from fedguide.data.federated import FederatedData, public_pool, stratified_fraction
 from fedguide.data.partition import PARTITIONS
 from fedguide.data.scenarios import make_scenario
 from fedguide.data.sources import DATASETS
+from fedguide.extras import require_extras
 from fedguide.fl.runtimes.base import RUNTIMES
 from fedguide.methods import METHODS, Method, RunContext
 from fedguide.methods.compose import REGULARIZERS, Composed, build_regularizers
@@ -34,6 +38,9 @@ def resolve(cfg: Config) -> tuple[Config, dict[str, Any]]:
     """Validate every named section against its registry and return the config with all defaults
     written out, plus the parsed parameter objects."""
     raw = cfg.model_dump(mode="json")
+    # A missing optional layer is named with its pip command before any parameter is parsed or anything built.
+    for section, entry in (("method", METHODS.get(cfg.method.name)), ("runtime", RUNTIMES.get(cfg.runtime.name))):
+        require_extras(entry.obj.extras, f"{section}.name={entry.name}")
     regs, model_defaults = [], dict(METHODS.get(cfg.method.name).obj.model_defaults)
     for i, spec in enumerate(cfg.regularizers):
         spec = {"name": spec} if isinstance(spec, str) else dict(spec)
@@ -43,6 +50,8 @@ def resolve(cfg: Config) -> tuple[Config, dict[str, Any]]:
         regs.append({"name": name, **REGULARIZERS.parse_params(name, spec, f"regularizers[{i}]").model_dump(mode="json")})
         model_defaults.update(REGULARIZERS.get(name).obj.model_defaults)
     raw["regularizers"] = regs
+    if raw["guidance"]["device"] == "auto":  # the guidance model computes where the run does
+        raw["guidance"]["device"] = raw["train"]["device"]
     parsed = {
         "data": DATASETS.parse_params(cfg.data.name, cfg.data.params_dict(), "data"),
         "partition": PARTITIONS.parse_params(cfg.partition.name, cfg.partition.params_dict(), "partition"),
@@ -95,9 +104,18 @@ def prepare(cfg: Config) -> Prepared:
         build_model(cfg.model.name, params["model"], splits.model_spec())
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    check_precision(cfg.train.precision, resolve_device(cfg.train.device))
+    check_augment(cfg.train.augment, splits.input_shape, splits.train_x.dtype.is_floating_point,
+                  splits.pixel_stats is not None)
     data = FederatedData(splits, client_indices, public_indices=public,
                          server_indices=None if part.server is None else used[part.server],
                          clients_labeled=part.clients_labeled)
+    if cfg.eval.mode != "global":
+        if not method_cls.personal_evaluation:
+            raise ConfigError(f"method '{cfg.method.name}' classifies without the run's model, so it has no "
+                              "personalised model to score; write eval.mode: global")
+        data.personal_test = data.personal_test_split(cfg.eval.personal_test_fraction,
+                                                      numpy_rng(cfg.seed, "personal_test"))
     return Prepared(cfg, params, data, method_cls)
 
 
@@ -106,30 +124,45 @@ def open_run(prepared: Prepared, run_dir: Path, setup: bool = False) -> tuple[Ru
     method (composed with the config's regularisers). ``setup=True`` also runs the method's set-up, as
     every client side does before its first round; the server runs it itself, after deciding between a
     fresh start and a resume."""
-    cfg = prepared.config
+    cfg, train = prepared.config, prepared.config.train
     run_dir = Path(run_dir)
     spec = prepared.data.splits.model_spec()
+    device = resolve_device(train.device)
+    memory_format = torch.channels_last if train.channels_last else torch.preserve_format
+
+    def make_model():
+        return build_model(cfg.model.name, prepared.params["model"], spec).to(device, memory_format=memory_format)
+
+    # The initial weights are drawn on the CPU and then moved: the same run on every device starts alike.
     torch.manual_seed(derive_seed(cfg.seed, "model"))
-    model = build_model(cfg.model.name, prepared.params["model"], spec)
+    model = make_model()
+    if train.compile:
+        model.compile()  # in place: the state_dict keeps its names, so weight vectors and checkpoints do not change
     layout = WeightLayout.of(model)
     splits = prepared.data.splits
+    device_data = DeviceData(splits, device, cfg.data.on_device, free_bytes,
+                             build_augment(train.augment, splits.input_shape))
     ctx = RunContext(
         config=cfg,
         data=prepared.data,
         model=model,
-        make_model=lambda: build_model(cfg.model.name, prepared.params["model"], spec),
+        make_model=make_model,
         layout=layout,
         initial_weights=layout.flatten(model),
-        evaluator=Evaluator(model, layout, splits.test_x, splits.test_y, cfg.train.eval_batch_size,
-                            splits.test_domains, splits.domain_names),
+        evaluator=Evaluator(model, layout, splits.test_x, splits.test_y, train.eval_batch_size,
+                            splits.test_domains, splits.domain_names, device_data),
         store=ClientStateStore(run_dir / "client_state"),
         server_store=ClientStateStore(run_dir / "server_state"),
         run_dir=run_dir,
+        device=device,
+        device_data=device_data,
     )
     method = prepared.method_cls(prepared.params["method"], ctx)
     if cfg.regularizers:
         method = Composed(method, build_regularizers(cfg.regularizers, ctx))
     if setup:
+        if train.deterministic:  # a client-side process keeps the setting for its whole life
+            deterministic(True).__enter__()
         method.setup()
     return ctx, method
 

@@ -26,19 +26,20 @@ import torch
 
 from fedguide.guidance.condition import ConditionMap, ConditionMode, inject
 from fedguide.guidance.hooks import unet_features
-from fedguide.guidance.store import FeatureKey, FeatureStore
+from fedguide.guidance.store import CHUNK_ITEMS, FeatureKey, FeatureStore
 from fedguide.registry import ConfigError
 
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """How the UNet is run: which blocks, at which timestep, with which noise."""
+    """How the UNet is run: which blocks, at which timestep, with which noise, on images of which size."""
 
     layers: tuple[str, ...]
     t: int = 150
     noise_seed: int = 0
     condition_mode: ConditionMode = "none"
     extra: dict = field(default_factory=dict)  # anything else the caller's features depend on
+    image_size: Optional[int] = None  # images are resized to this square before the VAE; None: the pipeline's
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -83,7 +84,7 @@ class DiffusionFeatures:
         """UNet activations of the spec's layers for a batch of images in [-1, 1]."""
         if not (len(images) == len(prompts) == len(indices)):
             raise ConfigError(f"{len(images)} images, {len(prompts)} prompts and {len(indices)} indices: one each")
-        latents = self.model.encode_image(images)
+        latents = self.model.encode_image(images, size=self.spec.image_size)
         if self.spec.t > 0:
             noise = sample_noise(indices, latents.shape[1:], self.spec.noise_seed).to(latents.device, latents.dtype)
             latents, _ = self.model.add_noise(latents, self.spec.t, noise=noise)
@@ -135,8 +136,10 @@ class DiffusionFeatures:
                                   "basis": basis_hash(recipe), **extra})
 
     def dataset(self, store: FeatureStore, key: FeatureKey, images: torch.Tensor, prompts: Sequence[str],
-                batch_size: int = 32, rebuild: bool = False, progress: bool = True) -> np.ndarray:
-        """[N, d] features of ``images`` (index i = sample i, for the noise seed), computed once, cached."""
+                batch_size: int = 32, rebuild: bool = False, progress: bool = True,
+                chunk_size: int = CHUNK_ITEMS) -> np.ndarray:
+        """[N, d] features of ``images`` (index i = sample i, for the noise seed), computed once, cached;
+        an interrupted extraction resumes from its finished chunks of ``chunk_size`` items."""
         if key.model != self.model.model_id:
             raise ConfigError(f"feature key is for model {key.model}, these features come from {self.model.model_id}")
 
@@ -144,4 +147,4 @@ class DiffusionFeatures:
             return self(images[idx], [prompts[i] for i in idx], idx).cpu()
 
         return store.get_or_compute(key, len(images), compute, batch_size=batch_size, rebuild=rebuild,
-                                    description="diffusion features", progress=progress)
+                                    description="diffusion features", progress=progress, chunk_size=chunk_size)

@@ -152,21 +152,26 @@ class GuidanceModel:
         return self.encode_text([""]).repeat(n)
 
     # --- images and latents ------------------------------------------------------------------------
-    def _check_images(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_images(self, x: torch.Tensor, size: Optional[int] = None) -> torch.Tensor:
         if x.ndim != 4 or x.shape[1] not in (1, 3):
             raise ConfigError(f"images must be [B, 3, H, W] in [-1, 1], got shape {tuple(x.shape)}")
         if x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)  # grey-scale datasets (MNIST, FMNIST) as RGB
-        size = self.image_size
+        size = self.image_size if size is None else int(size)
+        if size < self.vae_scale or size % self.vae_scale:
+            raise ConfigError(f"image size {size}: the VAE downsamples by {self.vae_scale}, so sizes must be "
+                              f"multiples of {self.vae_scale}")
         if x.shape[-1] != size or x.shape[-2] != size:
             x = F.interpolate(x.float(), size=(size, size), mode="bilinear", align_corners=False)
         return x.to(self.device, self.dtype)
 
-    def encode_image(self, x: torch.Tensor, sample: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
-        """VAE latents times the VAE's scaling factor; the posterior mean unless ``sample``."""
+    def encode_image(self, x: torch.Tensor, sample: bool = False, generator: torch.Generator | None = None,
+                     size: Optional[int] = None) -> torch.Tensor:
+        """VAE latents times the VAE's scaling factor; the posterior mean unless ``sample``. Images are
+        resized to ``size`` x ``size`` pixels first (None: the pipeline's own ``image_size``)."""
         if self.vae is None:
             raise ConfigError("this guidance model has no VAE (vae/ folder); latent features need one")
-        dist = self.vae.encode(self._check_images(x)).latent_dist
+        dist = self.vae.encode(self._check_images(x, size)).latent_dist
         latents = dist.sample(generator) if sample else dist.mean
         return latents * self.scaling_factor
 
@@ -191,41 +196,74 @@ class GuidanceModel:
         a = a.view(-1, *([1] * (latents.ndim - 1))) if a.ndim else a
         return (latents - (1 - a).sqrt() * eps) / a.sqrt()
 
-    # --- conditioning ------------------------------------------------------------------------------
-    def image_condition(self, embeds: torch.Tensor, noise_level: int = 0,
-                        generator: torch.Generator | None = None) -> torch.Tensor:
-        """unCLIP class labels: normalised image embeddings, noised to ``noise_level``, plus its embedding."""
+    # --- conditioning ---------------------------------------------------------------------------------
+    def _need_unclip(self) -> None:
         if not self.is_unclip:
             raise ConfigError("image-embedding conditioning needs an unCLIP model (e.g. "
                               "stabilityai/stable-diffusion-2-1-unclip: a UNet with a projection class embedding "
                               "and image_normalizer/); this guidance model has none")
-        from diffusers.models.embeddings import get_timestep_embedding
 
+    @property
+    def image_noise_steps(self) -> int:
+        """Levels of the unCLIP image-noising scheduler (its config's ``num_train_timesteps``)."""
+        self._need_unclip()
+        return int(self.image_noising_scheduler.config.num_train_timesteps)
+
+    def image_noise_alpha_bar(self, level: int) -> float:
+        """ᾱ of the unCLIP image-noising scheduler at ``level``, read from the loaded scheduler."""
+        if not 0 <= level < self.image_noise_steps:
+            raise ConfigError(f"image noise level {level} is outside the image-noising scheduler's "
+                              f"[0, {self.image_noise_steps})")
+        return float(self.image_noising_scheduler.alphas_cumprod[int(level)])
+
+    def noise_image_embeds(self, embeds: torch.Tensor, noise_level: int, noise: Optional[torch.Tensor] = None,
+                           generator: torch.Generator | None = None) -> torch.Tensor:
+        """unCLIP's noising of image embeddings: standardised by the image normaliser, noised by the
+        image-noising scheduler's ``add_noise`` at ``noise_level``, unstandardised (the pipeline's own steps).
+        Level 0 without a given ``noise`` adds none (a clean embedding, deterministic)."""
+        self._need_unclip()
         embeds = embeds.to(self.device, self.dtype)
         level = torch.full((embeds.shape[0],), noise_level, device=self.device, dtype=torch.long)
         scaled = self.image_normalizer.scale(embeds)
-        if noise_level > 0:
-            noise = torch.randn(scaled.shape, generator=generator, device=generator.device if generator else None,
-                                dtype=scaled.dtype).to(self.device)
-            scaled = self.image_noising_scheduler.add_noise(scaled, noise, level)
-        embeds = self.image_normalizer.unscale(scaled)
+        if noise_level > 0 or noise is not None:
+            if noise is None:
+                noise = torch.randn(scaled.shape, generator=generator, dtype=scaled.dtype,
+                                    device=generator.device if generator else None)
+            scaled = self.image_noising_scheduler.add_noise(scaled, noise.to(self.device, scaled.dtype), level)
+        return self.image_normalizer.unscale(scaled)
+
+    def image_condition(self, embeds: torch.Tensor, noise_level: int = 0, generator: torch.Generator | None = None,
+                        noised: bool = False) -> torch.Tensor:
+        """unCLIP class labels: image embeddings noised to ``noise_level`` (``noise_image_embeds``; taken as
+        they are when ``noised``, i.e. already noised to that level) and the level's sinusoidal embedding."""
+        self._need_unclip()
+        from diffusers.models.embeddings import get_timestep_embedding
+
+        embeds = embeds.to(self.device, self.dtype)
+        if not noised:
+            embeds = self.noise_image_embeds(embeds, noise_level, generator=generator)
+        level = torch.full((embeds.shape[0],), noise_level, device=self.device, dtype=torch.long)
         level_emb = get_timestep_embedding(level, embeds.shape[-1], flip_sin_to_cos=True, downscale_freq_shift=0)
         return torch.cat([embeds, level_emb.to(embeds.dtype)], dim=1)
 
     def condition_inputs(self, context: torch.Tensor, image_embeds: Optional[torch.Tensor] = None,
-                         noise_level: int = 0, generator: torch.Generator | None = None
+                         noise_level: int = 0, generator: torch.Generator | None = None, noised: bool = False
                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(context, class labels) for a UNet pass conditioned on text and, optionally, image embeddings."""
+        """(context, class labels) for a UNet pass conditioned on text and, optionally, image embeddings
+        (``noise_level`` and ``noised``: see ``image_condition``; unCLIP models only)."""
         kind = self.image_conditioning
         if kind == "unclip":
             if image_embeds is None:
                 image_embeds = torch.zeros(context.shape[0], self.image_normalizer.mean.shape[-1])
-            return context, self.image_condition(image_embeds, noise_level, generator)
+            return context, self.image_condition(image_embeds, noise_level, generator, noised)
         if image_embeds is None:
             return context, None
         if kind is None:
             raise ConfigError("this guidance model takes no image conditioning (it is neither an unCLIP model nor "
                               "token-conditioned like the embedded one)")
+        if noise_level or noised:
+            raise ConfigError("a noise level of the image embedding is an unCLIP input; this guidance model reads "
+                              "the embedding as a context token and takes none")
         token = F.normalize(image_embeds.to(context.device, context.dtype), dim=-1) * self.image_token_scale
         if token.shape[-1] != context.shape[-1]:
             raise ConfigError(f"image embeddings have {token.shape[-1]} dims, the context {context.shape[-1]}")

@@ -19,6 +19,12 @@ over m samples whose norms are at most B (FedDISC Eq. 5): replacing one sample m
 most 2B/m, so Δ = 2B√ᾱ/m and σ = √(1−ᾱ). The assumption stated there, and in the FedDISC method, is
 that the grouping of samples into the mean (the pseudo-class and the k-means cluster) is held fixed;
 the clustering itself is data-dependent and is not covered by this figure.
+
+``standardised_noised_mean_privacy`` is the same for unCLIP's noising of image embeddings (FedDISC's
+released code): the mean is mapped to the embedding scale by a public factor c and standardised
+coordinate-wise with the image normaliser's public mean μ and std σ, s = (c·z − μ)/σ, and s is noised,
+√ᾱ·s + √(1−ᾱ)·ε (unstandardising afterwards is post-processing). Replacing one sample moves s by at most
+c·(2B/m)/min_i σ_i, so Δ = 2Bc√ᾱ/(m·min σ): a coordinate of small std magnifies a change along it.
 """
 from __future__ import annotations
 
@@ -130,3 +136,14 @@ def noised_mean_privacy(alpha_bar: float, norm_bound: float, count: int, delta: 
     if count < 1:
         raise ConfigError(f"a mean is over at least one sample, got {count}")
     return GaussianPrivacy(2.0 * norm_bound * math.sqrt(alpha_bar) / count, math.sqrt(1.0 - alpha_bar), delta)
+
+
+def standardised_noised_mean_privacy(alpha_bar: float, norm_bound: float, scale: float, std_min: float, count: int,
+                                     delta: float) -> GaussianPrivacy:
+    """√ᾱ·(c·mean(z_1..z_m) − μ)/σ + √(1−ᾱ)·ε with ‖z_i‖ ≤ B, one sample replaced: Δ = 2Bc√ᾱ/(m·min σ)."""
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ConfigError(f"the embedding scale c must be a positive finite number, got {scale}")
+    if not (std_min > 0 and math.isfinite(std_min)):
+        raise ConfigError(f"the normaliser's smallest std must be positive, got {std_min}; a zero std makes the "
+                          "standardised embedding unbounded")
+    return noised_mean_privacy(alpha_bar, norm_bound * scale / std_min, count, delta)

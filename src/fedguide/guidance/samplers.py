@@ -98,6 +98,9 @@ class SamplerConfig:
     batch_size: int = 16
     seed: int = 0
     progress: bool = True
+    # Position of prompts[0] in a longer sequence sampled in parts: image i of this call draws the noise of
+    # image first_index + i, so a sequence sampled in chunks gets the images of one call over all of it.
+    first_index: int = 0
 
 
 @dataclass
@@ -333,7 +336,8 @@ def _make_batch(model, prompts: Sequence[str], idx: list[int], config: SamplerCo
             continue  # skipped, so all-zero weights give plain CFG exactly
         extras.append((float(c.weight), _Pass(rows(c.context) if c.context is not None else context,
                                               rows(c.class_labels) if c.class_labels is not None else labels)))
-    return _Batch(torch.tensor(idx, dtype=torch.long), cond, uncond, extras, image_generators(config.seed, idx))
+    return _Batch(torch.tensor(idx, dtype=torch.long), cond, uncond, extras,
+                  image_generators(config.seed, [config.first_index + i for i in idx]))
 
 
 def _edit_noise(model, latents: torch.Tensor, t: torch.Tensor, batch: _Batch, loss_fn: LossFn,

@@ -45,9 +45,10 @@ PIPELINE_FILES = tuple(f"{sub}/{pattern}" for sub in SUBFOLDERS for pattern in
 MODEL_FILES = ("*.json", "*.txt", "*.safetensors")
 
 
-def resolve_source(source: str, revision: str | None = None, allow: tuple[str, ...] = PIPELINE_FILES) -> Path:
+def resolve_source(source: str, revision: str | None = None, allow: tuple[str, ...] = PIPELINE_FILES,
+                   setting: str = "guidance.model") -> Path:
     """A local folder as is; a hub id as its local snapshot (downloaded unless offline); ``embedded``
-    as the folder shipped with fedguide."""
+    as the folder shipped with fedguide. ``setting``: the config key an error tells the user to set."""
     if source == "embedded":
         from fedguide.guidance.embedded import SHIPPED
 
@@ -69,7 +70,7 @@ def resolve_source(source: str, revision: str | None = None, allow: tuple[str, .
     except Exception as err:  # the hub raises several types (offline, missing repo, gated, network)
         how = ("on a machine with a network run `huggingface-cli download "
                f"{source} --local-dir DIR` (or save the pipeline with save_pretrained), copy DIR here and pass "
-               "guidance.model=DIR")
+               f"{setting}=DIR")
         if _offline():
             raise GuidanceLoadError(f"guidance model '{source}' is not in the local hub cache and downloads are "
                                     f"off (HF_HUB_OFFLINE/FEDGUIDE_OFFLINE); {how}") from None

@@ -1,9 +1,12 @@
 """An on-disk cache of frozen-model features (e.g. diffusion UNet features of a dataset split).
 
 Features are expensive (minutes to hours of GPU time), so they are computed once, in batches and with
-a progress bar, written to disk and memory-mapped on every later use. A cache is identified by a
-``FeatureKey``: model id with revision or weights hash, dataset, split, fraction, the recipe (a JSON
-description of how the features are made: layer, timestep, resolution, ...) and the seed.
+a progress bar, written to disk and memory-mapped on every later use. While they are computed, each
+finished chunk of ~1024 items is kept on disk (feature_chunks.py), so an interrupted extraction, run
+again, computes only the chunks it lacks and ends with the same bytes an uninterrupted one writes.
+A cache is identified by a ``FeatureKey``: model id with revision or weights hash, dataset, split,
+fraction, the recipe (a JSON description of how the features are made: layer, timestep, resolution,
+...) and the seed.
 
 Layout on disk, one directory per key under the store's root::
 
@@ -37,6 +40,9 @@ Decisions:
   renames the final path is absent (the next run recomputes) and the old folder remains under
   ``.<name>.old-*``; a killed build leaves a ``.<name>.tmp-*`` folder. Both are hidden, never read, and
   safe to delete; they are not swept automatically because another process may be writing them.
+- An interrupted extraction leaves its finished chunks in ``.<name>.chunks`` (hidden, read by the next
+  extraction of the same key, removed once the cache is installed; a rebuild discards them). Deleting
+  the folder costs only the recomputation. A failure before the first chunk is finished leaves nothing.
 - If another process finishes the same key first, its cache is validated and used, and ours dropped.
 """
 from __future__ import annotations
@@ -58,12 +64,14 @@ from typing import Any, Callable, Literal, Mapping
 import numpy as np
 
 from fedguide.core.checksums import file_sha256
+from fedguide.guidance.feature_chunks import FeatureChunks
 from fedguide.guidance.progress import progress as progress_bar
 from fedguide.registry import ConfigError
 
 DATA_FILE = "features.npy"
 META_FILE = "meta.json"
 FORMAT = 1  # bumped when the layout changes; an older folder is then reported, not misread
+CHUNK_ITEMS = 1024  # items per finished chunk kept while computing (rounded up to whole batches)
 
 _UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -300,41 +308,63 @@ class FeatureStore:
             raise _cache_error(meta_path, f"malformed ({err})", folder) from None
         return {**raw, "shape": tuple(shape), "dtype": dtype}
 
+    def chunks_path(self, key: FeatureKey) -> Path:
+        """Where the finished chunks of an extraction of ``key`` in progress wait (feature_chunks.py)."""
+        final = self.path(key)
+        return final.with_name(f".{final.name}.chunks")
+
     def get_or_compute(self, key: FeatureKey, num_items: int,
                        compute: Callable[[np.ndarray], "np.ndarray | Any"],
                        batch_size: int = 64, rebuild: bool = False,
                        description: str = "features", progress: bool = True,
-                       dtype: np.dtype | str = "float32") -> np.ndarray:
+                       dtype: np.dtype | str = "float32", chunk_size: int = CHUNK_ITEMS) -> np.ndarray:
         """The cached features for ``key``, computing ``compute(indices)`` over ``range(num_items)`` if absent.
 
         ``compute`` gets consecutive index batches and returns ``[len(indices), *feature_shape]`` (numpy or
         torch). A corrupt cache raises unless ``rebuild``; ``rebuild`` recomputes and replaces it.
+        Finished chunks of about ``chunk_size`` items (rounded up to whole batches) are kept until the
+        cache is complete, so an interrupted extraction, run again, computes only the missing chunks;
+        ``rebuild`` discards them as well.
         """
-        if isinstance(num_items, bool) or not isinstance(num_items, (int, np.integer)) or num_items <= 0:
-            raise ConfigError(f"num_items must be a positive integer, got {num_items!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
-            raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+        for name, value in (("num_items", num_items), ("batch_size", batch_size), ("chunk_size", chunk_size)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         try:
             dtype = np.dtype(dtype)
         except TypeError as err:
             raise ConfigError(f"dtype {dtype!r} is not a numpy dtype ({err})") from None
         if dtype.hasobject:
             raise ConfigError(f"dtype {dtype} holds Python objects; features must be a plain numeric dtype")
-        num_items = int(num_items)
-        if not rebuild:
+        num_items, batch_size = int(num_items), int(batch_size)
+        chunk_items = batch_size * -(-int(chunk_size) // batch_size)
+        chunks = FeatureChunks(self.chunks_path(key), key.as_dict(), num_items, batch_size, chunk_items, dtype)
+        if rebuild:
+            chunks.discard()  # a rebuild distrusts what earlier code computed, finished chunks included
+        else:
             cached = self.open(key)
             if cached is not None:
                 self._check_request(key, cached, num_items, dtype)
+                chunks.discard()  # left over if a process died between installing the cache and cleaning up
                 return cached
         self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            finished = self._compute_chunks(key, chunks, compute, batch_size, description, progress, rebuild)
+        except BaseException:
+            if not chunks.any_done():
+                chunks.discard()
+            raise
+        if finished is not None:  # another process completed the cache meanwhile
+            return finished
         final = self.path(key)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=self.root))
         try:
-            self._write(tmp, key, num_items, compute, batch_size, description, progress, dtype)
+            self._assemble(tmp, key, chunks)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return self._install(tmp, final, key, num_items, dtype, replace=rebuild)
+        features = self._install(tmp, final, key, num_items, dtype, replace=rebuild)
+        chunks.discard()
+        return features
 
     def _check_request(self, key: FeatureKey, cached: np.ndarray, num_items: int, dtype: np.dtype) -> None:
         folder = self.path(key)
@@ -343,38 +373,68 @@ class FeatureStore:
                                f"{num_items} of {dtype}: the key does not tell these features apart "
                                "(add what differs to its recipe)", folder)
 
-    def _write(self, tmp: Path, key: FeatureKey, num_items: int, compute: Callable[[np.ndarray], Any],
-               batch_size: int, description: str, progress: bool, dtype: np.dtype) -> None:
+    def _compute_chunks(self, key: FeatureKey, chunks: FeatureChunks, compute: Callable[[np.ndarray], Any],
+                        batch_size: int, description: str, progress: bool, rebuild: bool) -> np.ndarray | None:
+        """Computes and saves every chunk not yet done; the cache of another process if it finished first."""
+        done = chunks.open()
+        if len(set(done.values())) > 1:  # no single extraction makes these: start over
+            chunks.discard()
+            done = chunks.open()
+        feature_shape = next(iter(done.values()), None)
+        ranges = chunks.ranges()
+        completed = sum(stop - start for start, stop in ranges if start in done)
+        dtype = chunks.dtype
+        with progress_bar(chunks.num_items, description, enabled=progress, unit="img", completed=completed) as advance:
+            for start, stop in ranges:
+                if start in done:
+                    continue
+                if not rebuild and self.exists(key):
+                    cached = self.open(key)
+                    if cached is not None:
+                        self._check_request(key, cached, chunks.num_items, dtype)
+                        return cached
+                out = None if feature_shape is None else np.empty((stop - start, *feature_shape), dtype=dtype)
+                for lo in range(start, stop, batch_size):
+                    indices = np.arange(lo, min(lo + batch_size, stop))
+                    batch = _as_numpy(compute(indices))
+                    where = f"{description}: batch {lo // batch_size} (items {indices[0]}..{indices[-1]})"
+                    if batch.ndim == 0 or batch.shape[0] != len(indices):
+                        raise ValueError(f"{where} returned shape {list(batch.shape)}; expected {len(indices)} "
+                                         "rows, one per index")
+                    if feature_shape is None:
+                        feature_shape = tuple(batch.shape[1:])
+                        out = np.empty((stop - start, *feature_shape), dtype=dtype)
+                    elif tuple(batch.shape[1:]) != feature_shape:
+                        raise ValueError(f"{where} returned features of shape {list(batch.shape[1:])}; earlier "
+                                         f"batches (or the finished chunks in {chunks.folder}) gave "
+                                         f"{list(feature_shape)}")
+                    if not np.can_cast(batch.dtype, dtype, casting="same_kind"):
+                        raise ValueError(f"{where} returned {batch.dtype}, which does not cast safely to {dtype}; "
+                                         "pass the matching dtype=")
+                    out[lo - start:indices[-1] + 1 - start] = batch
+                    advance(len(indices))
+                chunks.save(start, stop, out)
+        return None
+
+    def _assemble(self, tmp: Path, key: FeatureKey, chunks: FeatureChunks) -> None:
+        """The finished chunks, in order, as one features.npy with its meta.json in ``tmp``."""
         data_path = tmp / DATA_FILE
         out = None
-        feature_shape: tuple[int, ...] | None = None
-        starts = range(0, num_items, batch_size)
-        with progress_bar(num_items, description, enabled=progress, unit="img") as advance:
-            for batch_no, start in enumerate(starts):
-                indices = np.arange(start, min(start + batch_size, num_items))
-                batch = _as_numpy(compute(indices))
-                where = f"{description}: batch {batch_no} (items {indices[0]}..{indices[-1]})"
-                if batch.ndim == 0 or batch.shape[0] != len(indices):
-                    raise ValueError(f"{where} returned shape {list(batch.shape)}; expected {len(indices)} rows, "
-                                     "one per index")
-                if feature_shape is None:
-                    feature_shape = tuple(batch.shape[1:])
-                    out = np.lib.format.open_memmap(data_path, mode="w+", dtype=dtype,
-                                                    shape=(num_items, *feature_shape))
-                elif tuple(batch.shape[1:]) != feature_shape:
-                    raise ValueError(f"{where} returned features of shape {list(batch.shape[1:])}; the first "
-                                     f"batch fixed {list(feature_shape)}")
-                if not np.can_cast(batch.dtype, dtype, casting="same_kind"):
-                    raise ValueError(f"{where} returned {batch.dtype}, which does not cast safely to {dtype}; "
-                                     "pass the matching dtype=")
-                out[indices[0]:indices[-1] + 1] = batch
-                advance(len(indices))
+        for start, stop in chunks.ranges():
+            data = chunks.load(start, stop)
+            if data is None:
+                raise _cache_error(chunks.folder, f"chunk of items {start}..{stop - 1} is missing or changed "
+                                   "after it was checked", chunks.folder)
+            if out is None:
+                out = np.lib.format.open_memmap(data_path, mode="w+", dtype=chunks.dtype,
+                                                shape=(chunks.num_items, *data.shape[1:]))
+            out[start:stop] = data
         out.flush()
         shape = list(out.shape)
         del out  # closes the map before the file is hashed and renamed
         _fsync_file(data_path)
-        meta = {"format": FORMAT, "key": key.as_dict(), "shape": shape, "dtype": dtype.str,
-                "sha256": file_sha256(data_path), "num_items": num_items,
+        meta = {"format": FORMAT, "key": key.as_dict(), "shape": shape, "dtype": chunks.dtype.str,
+                "sha256": file_sha256(data_path), "num_items": chunks.num_items,
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "fedguide_version": _fedguide_version()}
         meta_path = tmp / META_FILE

@@ -5,7 +5,9 @@
 2. Client, inference only: pseudo-label ŷ = argmax_j cos(f(x), p_j) (Eq. 3).
 3. Client: per pseudo-class j, k-means with L centroids z_{j,l} (Eq. 4, scikit-learn ``KMeans``, seeded by
    (run seed, round, client, class)) and the domain-specific feature g_j = class mean; each is noised as
-   z̄ = √ᾱ_n·z + √(1−ᾱ_n)·ε with n = ``noise_level`` on the guidance model's training schedule (Eq. 5).
+   z̄ = √ᾱ_n·z + √(1−ᾱ_n)·ε with n = ``noise_level`` (Eq. 5) by ``noise_process`` (_feature_noise.py): on
+   an unCLIP pipeline its image-noising scheduler on normaliser-standardised embeddings (the released
+   code), else the guidance model's training schedule on the features.
    The upload holds exactly: ``centroids`` [M, D] (M ≤ C·L), ``centroid_labels`` [M], ``domain_features``
    [C, D] and ``pseudo_label_counts`` [C] — no image and no per-sample feature.
 
@@ -24,8 +26,12 @@ Decisions where the paper is silent:
   randomly chosen member features are uploaded instead of centroids: per-sample features, noised; the
   privacy figure is then the one of a single sample (m = 1).
 - The noise of each client is drawn from a generator seeded by (run seed, round, client).
+- ``noise_process: unclip`` noises at the image encoder's embedding scale: the server sends, with its
+  prototypes, c = (mean raw embedding norm of its labeled images) / B (``condition_scale``, public: the
+  server's own data), the factor it also conditions generation with.
 - Privacy (``privacy`` in the metrics and privacy.json in the run directory): each released vector is a
-  Gaussian mechanism on a mean of at least m features of norm ≤ B: Δ = 2B√ᾱ/m, σ = √(1−ᾱ), assuming the
+  Gaussian mechanism on a mean of at least m features of norm ≤ B: Δ = 2B√ᾱ/m, σ = √(1−ᾱ) (unclip: on the
+  standardised embedding, Δ = 2Bc√ᾱ/(m·min σ_normaliser); ᾱ of the scheduler that noised), assuming the
   grouping into pseudo-classes and clusters is fixed (replacing one sample moves one mean by at most 2B/m;
   k-means' assignment is itself data-dependent and not covered). ``epsilon`` is the per-query (per vector)
   value of the analytic Gaussian mechanism, as the paper states its guarantee ("on each query");
@@ -39,7 +45,6 @@ Decisions where the paper is silent:
 """
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Optional
 
@@ -49,6 +54,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.core.atomic import write_json
 from fedguide.core.seeding import derive_seed, torch_generator
+from fedguide.guidance.pipeline_facts import pipeline_facts
+from fedguide.methods._feature_noise import FeatureNoise, NoiseProcess, noise_features, resolve_process
 from fedguide.methods._frozen_encoder import (FrozenFeatures, class_prototypes, head_from_state, head_metrics,
                                              head_state, labeled_set, new_head, pseudo_labels, train_head)
 from fedguide.methods.base import Method
@@ -63,6 +70,11 @@ class CentroidParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     num_centroids: int = Field(5, ge=1, description="L, k-means centroids per pseudo-class per client (Eq. 4)")
     noise_level: int = Field(200, ge=0, description="n, the timestep whose ᾱ_n noises every uploaded feature (Eq. 5)")
+    noise_process: NoiseProcess = Field(
+        "auto", description="Eq. 5's noising: unclip = the pipeline's image-noising scheduler on standardised "
+                            "embeddings, the level passed to the UNet (released code); unet_schedule = the UNet's "
+                            "training schedule, the UNet told the embedding is clean; auto = unclip on unCLIP "
+                            "pipelines")
     min_cluster_size: int = Field(
         2, ge=1, description="every released vector is a mean over at least this many samples (smaller clusters "
                              "are merged; classes with fewer samples upload nothing)")
@@ -84,12 +96,6 @@ class CentroidParams(BaseModel):
 
 
 # ---- pure pieces ---------------------------------------------------------------------------------------
-def noise_features(z: torch.Tensor, alpha_bar: float, generator: torch.Generator) -> torch.Tensor:
-    """Eq. 5: z̄ = √ᾱ·z + √(1−ᾱ)·ε, ε ~ N(0, I)."""
-    eps = torch.randn(z.shape, generator=generator, dtype=torch.float32)
-    return math.sqrt(alpha_bar) * z.float() + math.sqrt(1.0 - alpha_bar) * eps
-
-
 def merge_small_clusters(features: np.ndarray, assign: np.ndarray, min_size: int) -> np.ndarray:
     """Dissolve clusters with fewer than ``min_size`` members, smallest first (ties: lowest id), moving their
     members to the nearest remaining cluster mean, until every cluster is large enough or one is left."""
@@ -137,9 +143,12 @@ def random_members(features: np.ndarray, num_centroids: int, seed: int) -> np.nd
 
 
 def client_summary(features: torch.Tensor, pseudo: torch.Tensor, num_classes: int, params: CentroidParams,
-                   alpha_bar: float, class_seed, generator: torch.Generator) -> dict[str, torch.Tensor]:
+                   noise: float | FeatureNoise, class_seed, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Steps 2-3 on one client: the upload record (``UPLOAD_KEYS``) from its features and pseudo-labels.
-    ``class_seed(j)`` seeds class j's k-means (or random draw)."""
+    ``noise``: the noise process, or ᾱ of Eq. 5 on the features; ``class_seed(j)`` seeds class j's k-means
+    (or random draw)."""
+    if not isinstance(noise, FeatureNoise):
+        noise = FeatureNoise("unet_schedule", -1, float(noise))
     feats = features.detach().float().numpy()
     pseudo = pseudo.long()
     counts = torch.bincount(pseudo, minlength=num_classes)
@@ -161,25 +170,26 @@ def client_summary(features: torch.Tensor, pseudo: torch.Tensor, num_classes: in
     z = torch.cat(centroids) if centroids else torch.empty(0, dim)
     has_domain = counts >= params.min_cluster_size
     # Noise is drawn for centroids first, then for every domain row; absent rows stay exactly zero.
-    noisy_z = noise_features(z, alpha_bar, generator)
-    noisy_g = torch.where(has_domain[:, None], noise_features(domain, alpha_bar, generator), torch.zeros_like(domain))
+    noisy_z = noise.apply(z, generator)
+    noisy_g = torch.where(has_domain[:, None], noise.apply(domain, generator), torch.zeros_like(domain))
     return {"centroids": noisy_z, "centroid_labels": torch.cat(labels) if labels else torch.empty(0, dtype=torch.int64),
             "domain_features": noisy_g, "pseudo_label_counts": counts}
 
 
-def privacy_report(alpha_bar: float, norm_bound: float, min_count: int, delta: float,
-                   noise_level: int) -> dict[str, Any]:
-    """The (ε, δ) figures of the module docstring, plus ε for a range of cluster sizes."""
-    from fedguide.guidance.privacy import analytic_epsilon, compose_mu, noised_mean_privacy
+def privacy_report(noise: FeatureNoise, norm_bound: float, min_count: int, delta: float) -> dict[str, Any]:
+    """The (ε, δ) figures of the module docstring for the process that noised, plus ε for a range of
+    cluster sizes."""
+    from fedguide.guidance.privacy import analytic_epsilon, compose_mu
 
-    query = noised_mean_privacy(alpha_bar, norm_bound, min_count, delta)
+    query = noise.privacy(norm_bound, min_count, delta)
     upload = compose_mu([query.mu, query.mu])
     return {
-        "noise_level": noise_level, "alpha_bar": alpha_bar, "sigma": query.sigma, "norm_bound": norm_bound,
+        **noise.describe(norm_bound),
+        "noise_level": noise.level, "alpha_bar": noise.alpha_bar, "sigma": query.sigma, "norm_bound": norm_bound,
         "min_samples_per_vector": min_count, "sensitivity": query.sensitivity, "delta": delta, "mu": query.mu,
         "epsilon": query.epsilon, "epsilon_classic": query.epsilon_classic, "classic_valid": query.classic_valid,
         "mu_upload": upload, "epsilon_upload": analytic_epsilon(upload, delta),
-        "epsilon_by_samples_per_vector": {str(m): noised_mean_privacy(alpha_bar, norm_bound, m, delta).epsilon
+        "epsilon_by_samples_per_vector": {str(m): noise.privacy(norm_bound, m, delta).epsilon
                                           for m in CLUSTER_SIZES_REPORTED},
         "assumption": "per released vector: a mean over >= min_samples_per_vector features of norm <= norm_bound, "
                       "one sample replaced, grouping into pseudo-classes and clusters held fixed",
@@ -201,8 +211,19 @@ def uploaded_centroids(uploads: list[dict]) -> tuple[torch.Tensor, torch.Tensor]
 class CentroidOneShot(Method):
     """Steps 1-3 of FedDISC; subclasses fit the linear head from the uploads (``fit_head``)."""
 
+    on_device = False  # small models on cached features or its own loops: the host computes
+    extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
+    personal_evaluation = False  # the classifier is a head on the frozen encoder, not the run's model
     Params = CentroidParams
     needs_client_labels = False
+
+    def __init__(self, params: CentroidParams, run):
+        super().__init__(params, run)
+        facts = pipeline_facts(run.config.guidance)
+        # Settled when the method is built (a process the pipeline lacks is refused by --dry-run); without
+        # readable configs, once the model is loaded.
+        self.process: Optional[str] = None if facts is None else resolve_process(params.noise_process, facts.unclip)
+        self.condition_scale: Optional[float] = None
 
     def setup(self) -> None:
         if self.run.config.clients.per_round != self.run.config.clients.num:
@@ -224,20 +245,31 @@ class CentroidOneShot(Method):
         idx, source = self.labeled()
         labels = self.run.data.splits.train_y[torch.as_tensor(idx)]
         self.prototypes, self.present = class_prototypes(self.features.train(idx), labels, self.run.num_classes)
+        # c: the labeled images' mean raw embedding norm over B, the scale of the image encoder's own embeddings
+        self.condition_scale = float(self.features.raw_train(idx).norm(dim=1).mean()) / self.features.norm
         self.info.update(labeled_source=source, labeled_samples=int(len(idx)))
 
-    def alpha_bar(self) -> float:
-        model = self.features.model
-        if self.params.noise_level >= model.num_train_timesteps:
-            raise ConfigError(f"noise_level {self.params.noise_level} exceeds the guidance model's "
-                              f"{model.num_train_timesteps} timesteps; choose a smaller method.noise_level")
-        return float(model.alpha_bar(self.params.noise_level))
+    def noise_process(self) -> str:
+        if self.process is None:
+            self.process = resolve_process(self.params.noise_process, self.features.model.is_unclip)
+        return self.process
+
+    def feature_noise(self, scale: Optional[float] = None) -> FeatureNoise:
+        """Eq. 5's noise process on the guidance model at ``noise_level`` (``scale``: c, default the server's)."""
+        process = self.noise_process()
+        if process == "unclip" and scale is None:
+            self.ensure_prototypes()
+            scale = self.condition_scale
+        return FeatureNoise.of(process, self.features.model, self.params.noise_level, 1.0 if scale is None else scale)
 
     def server_payload(self, round_, client_id, global_weights):
         if round_ > 1:
             return {}
         self.ensure_prototypes()
-        return {"prototypes": self.prototypes, "prototype_present": self.present}
+        payload = {"prototypes": self.prototypes, "prototype_present": self.present}
+        if self.noise_process() == "unclip":
+            payload["condition_scale"] = float(self.condition_scale)
+        return payload
 
     # ---- steps 2-3 (client) ----
     def client_start(self, ctx):
@@ -250,11 +282,21 @@ class CentroidOneShot(Method):
         if "prototypes" not in ctx.payload:
             return {}
         feats = self.features.train(ctx.data.indices.numpy())
-        pseudo = pseudo_labels(feats, ctx.payload["prototypes"], ctx.payload["prototype_present"])
+        pseudo = self.client_labels(feats, ctx)
         seed = self.run.config.seed
-        return client_summary(feats, pseudo, self.run.num_classes, self.params, self.alpha_bar(),
+        scale = ctx.payload.get("condition_scale")
+        if scale is None and self.noise_process() == "unclip":
+            raise ConfigError("noise_process=unclip noises at the embedding scale the server sends with its "
+                              "prototypes (condition_scale), and this payload has none; run server and clients "
+                              "with the same method settings")
+        noise = self.feature_noise(None if scale is None else float(scale))
+        return client_summary(feats, pseudo, self.run.num_classes, self.params, noise,
                               lambda j: _seed32(seed, ctx.round, ctx.client_id, KMEANS_TAG, j),
                               torch_generator(seed, "client", ctx.round, ctx.client_id, NOISE_TAG))
+
+    def client_labels(self, feats: torch.Tensor, ctx) -> torch.Tensor:
+        """The class each of the client's samples is grouped under: Eq. 3's pseudo-label."""
+        return pseudo_labels(feats, ctx.payload["prototypes"], ctx.payload["prototype_present"])
 
     # ---- server ----
     def fit_head(self, uploads: list[dict]) -> tuple[dict, dict[str, Any]]:
@@ -295,8 +337,7 @@ class CentroidOneShot(Method):
 
     def privacy(self) -> dict[str, Any]:
         m = 1 if self.params.random_centroids else self.params.min_cluster_size
-        return privacy_report(self.alpha_bar(), self.features.norm, m, self.params.privacy_delta,
-                              self.params.noise_level)
+        return privacy_report(self.feature_noise(), self.features.norm, m, self.params.privacy_delta)
 
     def _write_privacy(self) -> None:
 
@@ -311,7 +352,7 @@ class CentroidOneShot(Method):
         report = self.privacy()
         out["privacy"] = {k: report[k] for k in ("epsilon", "epsilon_upload", "epsilon_classic", "delta", "mu",
                                                   "sensitivity", "sigma", "norm_bound", "min_samples_per_vector",
-                                                  "noise_level")}
+                                                  "noise_level", "noise_process", "alpha_bar")}
         return out
 
     # ---- checkpoints ----

@@ -18,7 +18,9 @@ This file holds
 - ``fit_sample``: the images a basis is fitted on: the public pool when ``data.public_fraction > 0``,
   else a seeded sample of the clients' training images (which then reach the server; the record says so);
 - ``GuidanceRecord``: ``<run dir>/guidance/<method>.json``, what a method's setup did (fit source,
-  extraction site, seconds, cache folders), written by the first process to set the method up.
+  extraction site, input size, seconds, cache folders), written by the first process to set the method up;
+- ``input_size``: the side images are resized to before the VAE, from a method's ``image_size`` (the
+  rules are in guidance/pipeline_facts.py), checked when the method is built (``--dry-run``).
 
 Decisions
 - Features are made for the union of the clients' samples, not the whole training split: a run on
@@ -44,6 +46,7 @@ import torch
 from fedguide.core.atomic import write_json
 from fedguide.guidance.condition import inject
 from fedguide.guidance.features import DiffusionFeatures, sample_noise
+from fedguide.guidance.pipeline_facts import ImageSize, data_image_size, pipeline_facts
 from fedguide.guidance.progress import progress
 from fedguide.guidance.shared import guidance_pixels
 from fedguide.guidance.store import FeatureKey, FeatureStore
@@ -109,6 +112,31 @@ def fit_sample(run, n: int, seed: int) -> tuple[np.ndarray, str]:
     return pool, f"{len(pool)} images from {source}"
 
 
+def input_size(run, requested: ImageSize, paper: Optional[int]) -> Optional[int]:
+    """Pixels per side of the images the VAE encodes (``paper``: the paper's size, None = the data's own);
+    None while the pipeline's configs cannot be read without a download (the model's loading then says why)."""
+    facts = pipeline_facts(run.config.guidance)
+    if facts is None:
+        return None
+    data = data_image_size(run)
+    return facts.resolve_image_size(requested, data if paper is None else paper, data, "method.image_size")
+
+
+def loaded_input_size(run, requested: ImageSize, paper: Optional[int]) -> int:
+    """``input_size`` once the guidance model is loaded (its configs are then on disk)."""
+    size = input_size(run, requested, paper)
+    if size is None:
+        raise ConfigError(f"the configs of guidance model '{run.config.guidance.model}' cannot be read to size its "
+                          "inputs; pass a local folder of the pipeline as guidance.model")
+    return size
+
+
+def input_size_note(requested: ImageSize, size: int, model) -> dict:
+    """What the guidance record says about the input size."""
+    return {"requested": requested, "pixels": size, "latents": size // model.vae_scale,
+            "pipeline_pixels": model.image_size}
+
+
 # ---- UNet passes --------------------------------------------------------------------------------------
 @torch.no_grad()
 def prompt_maps(feats: DiffusionFeatures, images: torch.Tensor, indices: np.ndarray, tokens: torch.Tensor,
@@ -126,7 +154,7 @@ def prompt_maps(feats: DiffusionFeatures, images: torch.Tensor, indices: np.ndar
         raise ValueError(f"{len(images)} images, {len(indices)} indices and prompt ids {tuple(prompt_ids.shape)}: "
                          "one row of prompt ids and one index per image")
     per_image = prompt_ids.shape[1]
-    latents = model.encode_image(images)
+    latents = model.encode_image(images, size=spec.image_size)
     if spec.t > 0:
         noise = sample_noise(indices, latents.shape[1:], spec.noise_seed).to(latents.device, latents.dtype)
         latents, _ = model.add_noise(latents, spec.t, noise=noise)
@@ -200,10 +228,18 @@ def fit_basis(feats: DiffusionFeatures, name: str, run, store: FeatureStore, fit
     return True
 
 
+def data_recipe(cfg) -> dict:
+    """The data section as a feature-cache key sees it: without where the tensors sit during training
+    (data.on_device), which changes no image."""
+    raw = cfg.data.model_dump(mode="json")
+    raw.pop("on_device", None)
+    return raw
+
+
 def feature_key(feats: DiffusionFeatures, run, rows: np.ndarray, **extra) -> FeatureKey:
     cfg = run.config
     return feats.key(cfg.data.name, "train", cfg.data.fraction, seed=feats.spec.noise_seed,
-                     data=cfg.data.model_dump(mode="json"), samples=digest(rows), num_samples=int(len(rows)), **extra)
+                     data=data_recipe(cfg), samples=digest(rows), num_samples=int(len(rows)), **extra)
 
 
 def cached_features(store: FeatureStore, key: FeatureKey, rows: np.ndarray,

@@ -21,7 +21,7 @@ Decisions where the paper is silent or ambiguous:
 """
 from __future__ import annotations
 
-from typing import Callable, Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -115,13 +115,16 @@ def sgd(model: torch.nn.Module, lr: float, momentum: float, weight_decay: float)
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
-def train_on_labeled(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, targets: Optional[torch.Tensor],
-                     epochs: int, batch_size: int, optimizer: torch.optim.Optimizer, generator: torch.Generator,
-                     weight: float = 1.0, temperature: float = 1.0,
-                     direction: KLDirection = "teacher_student") -> float:
-    """FedCADO's aggregation: Eq. 6 on (x, y[, teacher targets]) for ``epochs`` epochs."""
+def train_on_labeled(model: torch.nn.Module, x: Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
+                     y: torch.Tensor, targets: Optional[torch.Tensor], epochs: int, batch_size: int,
+                     optimizer: torch.optim.Optimizer, generator: torch.Generator, weight: float = 1.0,
+                     temperature: float = 1.0, direction: KLDirection = "teacher_student") -> float:
+    """FedCADO's aggregation: Eq. 6 on (x, y[, teacher targets]) for ``epochs`` epochs. ``x`` is the inputs,
+    or a function from batch indices to the batch's inputs (a set read from disk batch by batch)."""
+    rows = x if callable(x) else (lambda idx: x[idx])
+
     def batch_loss(m: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
-        return aggregation_loss(m(x[idx]), y[idx], None if targets is None else targets[idx], weight, temperature,
+        return aggregation_loss(m(rows(idx)), y[idx], None if targets is None else targets[idx], weight, temperature,
                                 direction)
 
     return fit(model, len(y), batch_loss, optimizer, batch_size, generator, epochs=epochs)

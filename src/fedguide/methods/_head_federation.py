@@ -37,7 +37,11 @@ class HeadParams(BaseModel):
 
 
 class HeadFederation(Method):
+
+    on_device = False  # small models on cached features or its own loops: the host computes
+    extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
     needs_client_labels = False
+    personal_evaluation = False  # the classifier is a head on the frozen encoder, not the run's model
 
     def setup(self) -> None:
         self.features = FrozenFeatures(self.run, self.params.feature_norm)

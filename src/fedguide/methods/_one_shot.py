@@ -124,6 +124,7 @@ def frozen(model: SplitModel) -> SplitModel:
 class OneShotMethod(Method):
     """Clients train once and upload their whole model; ``one_shot`` builds the global model in round 1."""
 
+    on_device = False  # small models on cached features or its own loops: the host computes
     Params = OneShotParams
 
     def __init__(self, params: OneShotParams, run):

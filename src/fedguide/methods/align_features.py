@@ -1,14 +1,21 @@
 """Feature alignment to a pretrained image encoder by L2: the comparison rows of FedDifRC's Table 8.
 
 A baseline, not FedDifRC: local objective L = CE + λ·mean_i ‖z_i − P e(x_i)‖², with e the guidance
-model's image encoder (the embedded mini CLIP by default; ``guidance.image_encoder`` picks another) and
-P a fixed, seeded linear map from e's dim to z's (Gaussian / √D, never trained); server: FedAvg.
+model's image encoder (the embedded mini CLIP by default; ``guidance.image_encoder`` picks another CLIP: the
+CLIP-ViT-B/16 row) or, with ``encoder``, a self-supervised ViT (guidance/vit_encoder.py): a ViTMAE (the
+MAE-ViT-B/16 row: ``method.encoder=facebook/vit-mae-base``) or a DINO ViT (the DINO-ViT-B/16 row:
+``method.encoder=facebook/dino-vitb16``), embedding an image by its class token (``pooling: cls``). P is a fixed, seeded linear map from e's dim to
+z's (Gaussian / √D, never trained); server: FedAvg.
 ``normalize: true`` (default) aligns the L2-normalised z with the L2-normalised P e; ``false`` the raw vectors.
 
 Decisions
+- The ViT encoders' embedding is the last layer's class token (what their own linear probes read; the
+  paper does not say which); ``pooling: mean`` averages the patch tokens instead. Offline, a hub id not in
+  the local cache stops the run at setup with the download command.
 - e(x) does not depend on the model: computed once on the server for every sample a client trains on,
   cached in the FeatureStore (key: the pipeline's fingerprint, which covers its own image encoder, plus
-  ``guidance.image_encoder`` when another is named) and looked up by the batch's global sample indices.
+  ``guidance.image_encoder`` when another is named; the ViT's own fingerprint and pooling with ``encoder``)
+  and looked up by the batch's global sample indices.
 - λ = 1 (the paper states "aligned by L2 loss" and no weight) on L2-normalised vectors by default
   (``normalize: true``). The literal raw form (``normalize: false``) cannot work with an encoder whose z
   is a ReLU output: z ≥ 0 cannot match the signed P e, whose squared norm (~200 for the embedded mini
@@ -18,13 +25,16 @@ Decisions
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.guidance.shared import feature_store, guidance_model
 from fedguide.guidance.store import FeatureKey
-from fedguide.methods._diffusion_features import (GuidanceRecord, RowLookup, cached_features, digest,
+from fedguide.guidance.vit_encoder import Pooling
+from fedguide.methods._diffusion_features import (GuidanceRecord, RowLookup, cached_features, data_recipe, digest,
                                                   guidance_images, lookup, timed, training_rows)
 from fedguide.methods.base import METHODS, Method
 from fedguide.registry import ConfigError
@@ -36,6 +46,10 @@ class AlignFeaturesParams(BaseModel):
     normalize: bool = Field(True, description="align L2-normalised z and P e (false: the raw L2 distance)")
     extract_batch: int = Field(64, ge=1)
     seed: int = Field(0, ge=0, description="seed of the fixed map P")
+    encoder: Optional[str] = Field(
+        None, description="a self-supervised ViT instead of the guidance model's image encoder: hub id or folder of a "
+                          "ViTMAE (MAE: facebook/vit-mae-base), ViT (DINO: facebook/dino-vitb16) or Dinov2 model")
+    pooling: Pooling = Field("cls", description="the ViT encoder's embedding: its class token or its mean patch token")
 
 
 def alignment_loss(z: torch.Tensor, target: torch.Tensor, normalize: bool = False) -> torch.Tensor:
@@ -49,23 +63,20 @@ def alignment_loss(z: torch.Tensor, target: torch.Tensor, normalize: bool = Fals
 class AlignFeatures(Method):
     """CE + λ‖z − P e(x)‖² with e a pretrained image encoder (FedDifRC Table 8 baseline), FedAvg."""
 
+    extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
     def setup(self):
         p, run = self.params, self.run
         cfg = run.config
-        model = guidance_model(cfg.guidance)
-        encoder = model.image_encoder
-        if encoder is None:
-            raise ConfigError("align_features needs an image encoder: the guidance pipeline has none; set "
-                              "guidance.image_encoder to a CLIP hub id or folder (or use guidance.model=embedded)")
+        encoder, model_id = self._encoder()
         z_dim = int(run.model.feature_dim)
         self.map = torch.randn(z_dim, encoder.dim, generator=torch.Generator().manual_seed(p.seed)) / encoder.dim ** 0.5
         rows = training_rows(run)
         self._rows = RowLookup(rows)
         record = GuidanceRecord(run, "align_features")
-        key = FeatureKey(model=model.model_id, dataset=cfg.data.name, split="train", fraction=cfg.data.fraction,
+        key = FeatureKey(model=model_id, dataset=cfg.data.name, split="train", fraction=cfg.data.fraction,
                          seed=0, recipe={"role": "image_encoder", "dim": encoder.dim,
-                                         "image_encoder": cfg.guidance.image_encoder or "pipeline",
-                                         "data": cfg.data.model_dump(mode="json"),
+                                         "image_encoder": self._encoder_name(),
+                                         "data": data_recipe(cfg),
                                          "samples": digest(rows), "num_samples": int(len(rows))})
 
         def embed(b):
@@ -78,7 +89,30 @@ class AlignFeatures(Method):
                                                               "image encoder features"))
         record.note("image_features", {"folder": str(store.path(key)), "seconds": round(seconds, 3),
                                        "shape": list(self._embeds.shape)})
+        record.note("encoder", self._encoder_name())
         record.write()
+
+    def _encoder_name(self) -> str:
+        if self.params.encoder is not None:
+            return f"{self.params.encoder} ({self.params.pooling} token)"
+        return self.run.config.guidance.image_encoder or "pipeline"
+
+    def _encoder(self):
+        """(the frozen image encoder, the model id keying its cached features)."""
+        p, guidance = self.params, self.run.config.guidance
+        if p.encoder is not None:  # a ViT of its own: the guidance pipeline is not needed
+            from fedguide.guidance.components import resolve_device, resolve_dtype
+            from fedguide.guidance.vit_encoder import load_vit_encoder
+
+            device = resolve_device(guidance.device)
+            encoder = load_vit_encoder(p.encoder, None, device, resolve_dtype(guidance.dtype, device), p.pooling)
+            return encoder, encoder.model_id
+        model = guidance_model(guidance)
+        if model.image_encoder is None:
+            raise ConfigError("align_features needs an image encoder: the guidance pipeline has none; set "
+                              "guidance.image_encoder to a CLIP hub id or folder, method.encoder to a ViTMAE or DINO "
+                              "model, or use guidance.model=embedded")
+        return model.image_encoder, model.model_id
 
     def local_loss(self, model, x, y, ctx):
         z, logits = model.forward_features(x)

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from fedguide.core.aggregation import sample_weighted_average
 from fedguide.core.records import Record, record_bytes  # noqa: F401  (part of the method author's API)
 from fedguide.core.training import train_local
+from fedguide.methods._personalise import fine_tune
 from fedguide.methods.context import ClientContext, RunContext  # noqa: F401  (likewise)
 from fedguide.registry import NoParams, Registry
 
@@ -34,6 +35,16 @@ class Method:
     model_defaults: ClassVar[dict[str, Any]] = {}
     # False for methods that learn from unlabeled clients (semi-supervised scenarios, FedDISC).
     needs_client_labels: ClassVar[bool] = True
+    # Optional install layers this method needs (pyproject extras, e.g. ("guidance",)); resolving a config
+    # checks them, so a missing package is named with its pip command before anything is built.
+    extras: ClassVar[tuple[str, ...]] = ()
+    # False for methods that classify without the run's model (a head on a frozen encoder, zero-shot): they
+    # have no personalised model for eval.mode personal/both to score.
+    personal_evaluation: ClassVar[bool] = True
+    # False for methods that compute on the host whatever ``train.device`` says (small heads on cached
+    # features, one-shot classifiers trained in their own loops): their payloads, client state, uploads
+    # and server state stay on the CPU. True: all of those are moved to the run's device.
+    on_device: ClassVar[bool] = True
 
     def __init__(self, params: BaseModel, run: "RunContext"):
         self.params = params
@@ -96,6 +107,18 @@ class Method:
     def evaluate(self, round_: int, global_weights: torch.Tensor) -> dict[str, Any]:
         """Test metrics of this round; must contain ``accuracy``."""
         return self.run.evaluator.evaluate(global_weights)
+
+    def personal_model(self, round_: int, client_id: int, global_weights: torch.Tensor) -> torch.Tensor:
+        """Client ``client_id``'s personalised weights after round ``round_`` (eval.mode personal/both), scored
+        on its own test split. The default personalisation: the global model, fine-tuned for
+        ``eval.finetune_steps`` steps of cross-entropy on the client's training data when that is set.
+        Methods whose clients keep a model of their own return it from the client store
+        (``self.run.store.get(client_id, round_)``, which sees this round's writes)."""
+        steps = self.run.config.eval.finetune_steps
+        if not steps:
+            return global_weights
+        train = self.run.config.train.model_copy(update={"local_steps": steps})
+        return fine_tune(self.run, client_id, round_, global_weights, train)
 
     # ---- checkpointing of server-side state -------------------------------------------------------
     def server_state(self) -> dict[str, torch.Tensor]:

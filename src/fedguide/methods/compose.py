@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel
 
 from fedguide.methods.base import ClientContext, Method, Record
-from fedguide.registry import NoParams, Registry
+from fedguide.registry import ConfigError, NoParams, Registry
 
 REGULARIZERS: Registry = Registry("regularizer")
 
@@ -60,8 +60,15 @@ class Composed(Method):
     regularisers add their terms and records."""
 
     def __init__(self, base: Method, regularizers: list[Regularizer]):
+        if type(base).fit is not Method.fit:
+            # Its own loop calls its own loss: a regulariser's term would be dropped without a word.
+            names = ", ".join(r.name for r in regularizers)
+            raise ConfigError(f"regularizers [{names}] add a term to the local loop's objective, but method "
+                              f"'{type(base).__name__}' trains its clients in its own loop (Method.fit), where the "
+                              "term has no place; remove the regularizers or choose a method trained by the local loop")
         super().__init__(base.params, base.run)
         self.base, self.regs = base, regularizers
+        self.on_device = base.on_device
         self.prefixes = [f"{r.name}." for r in regularizers]
 
     def setup(self):
@@ -84,10 +91,6 @@ class Composed(Method):
     def client_start(self, ctx):
         return self.base.client_start(ctx)
 
-    def fit(self, model, ctx, train):
-        if type(self.base).fit is not Method.fit:  # the base trains its own way: its loss has no place for a term
-            return self.base.fit(model, ctx, train)
-        return super().fit(model, ctx, train)  # the local loop, on the composed local_loss
 
     def begin_local(self, model, ctx):
         self.base.begin_local(model, ctx)
@@ -114,6 +117,9 @@ class Composed(Method):
 
     def evaluate(self, round_, global_weights):
         return self.base.evaluate(round_, global_weights)
+
+    def personal_model(self, round_, client_id, global_weights):
+        return self.base.personal_model(round_, client_id, global_weights)
 
     def server_state(self):
         state = dict(self.base.server_state())

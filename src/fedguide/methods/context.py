@@ -17,6 +17,7 @@ from fedguide.data.federated import FederatedData
 from fedguide.models.split import SplitModel
 
 if TYPE_CHECKING:
+    from fedguide.data.device_data import DeviceData
     from fedguide.data.federated import ClientData
 
 
@@ -32,6 +33,11 @@ class RunContext:
     store: ClientStateStore  # client-side state, one entry per client (lives with the client)
     server_store: ClientStateStore  # server-side memory per client (e.g. FedCDA's past models)
     run_dir: Path
+    # Where this process computes (train.device); the model, the global weights, payloads and client state
+    # in use live there. Tensors a method keeps (cached features, prototypes) belong there too.
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # The training and test tensors where the batches are gathered (data.on_device), with train.augment.
+    device_data: Optional["DeviceData"] = None
 
     @property
     def num_clients(self) -> int:
@@ -58,6 +64,20 @@ class ClientContext:
     batch_indices: Any = None
     # The client's random stream of this round, derived from (seed, round, client): batch order.
     generator: Optional[torch.Generator] = None
+    # The run's tensors where it computes, which the local loop gathers its batches from (None: the host
+    # tensors of ``data``).
+    device_data: Optional["DeviceData"] = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.device_data.device if self.device_data is not None else torch.device("cpu")
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of the training samples at host ``indices``, where the model is, without
+        ``train.augment`` (for a method's own passes over the data, e.g. a full-batch gradient)."""
+        if self.device_data is None:
+            return self.data.x[indices], self.data.y[indices]
+        return self.device_data.train_batch(self.device_data.indices(indices), augment=False)
 
     def update_state(self, **values: Any) -> None:
         self.state.update(values)

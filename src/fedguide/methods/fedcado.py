@@ -3,14 +3,15 @@
 1. Clients train their classifiers to convergence and upload them once, BatchNorm running statistics
    included (``_one_shot.py``: one round, heterogeneous architectures through ``client_models``).
 2. The server generates, per client k and class y that k holds, ``images_per_class`` images from the
-   class prompt "a photo of a {class}" alone (CFG scale 3), guided by F_k (Sec. 3.2-3.3):
+   class prompt alone (``prompt``, "a photo of a {class}"; CFG scale 3), guided by F_k (Sec. 3.2-3.3):
    L = CE(F_k(x̂₀), y) + λ·L_BN (Eq. 4, λ = 0.1), with x̂₀ = decode((s_t − √(1−ᾱ_t)·ε(s_t,t|y)) / √ᾱ_t)
    (Eq. 3) and L_BN = Σ_l ‖μ_l − μ_k,l‖₂ + ‖σ²_l − σ²_k,l‖₂ over F_k's BatchNorm layers (the generated
    batch's statistics at each BN layer's input against the layer's stored running statistics);
    initial-noise editing s_T ← s_T − η·∇L for M = 10 steps (η = 0.1), then guided denoising
    ε̂ = ε + √(1−ᾱ_t)·∇L (Eq. 5, with the sign that lowers L; see guidance/samplers.py). The sampling
-   itself is ``fedguide.guidance.samplers.sample``; the synthetic set lands in the run directory,
-   resumable per client (``_synthetic.py``).
+   itself is ``fedguide.guidance.samplers.sample``; the synthetic set is streamed to the run directory in
+   chunks at the classifiers' input size, resumable per chunk, and trained on from there, so host memory
+   does not grow with the number of images (``_synthetic.py``).
 3. The global model is trained from scratch on the synthetic set by ``aggregation`` ft | md | sd
    (Eq. 6, ``_distill.py``).
 
@@ -31,6 +32,10 @@ Decisions where the paper is silent:
   guidance at all: refused. With ``ce_loss`` on, such a classifier simply contributes no BN term.
 - Generated images reach F_k in the dataset's format (``_synthetic.to_model_input``).
 - Steps: the paper does not state them; 50 DDIM steps (eta 0), Stable Diffusion's default.
+- Prompt: the paper uses "solely ... the textual information of the class labels" (Sec. 4.1), no words
+  describing a client's distribution; the template around the class name is not given. The default is
+  "a photo of a {}" (the embedded models' training prompt, also FedDISC's here); the released code's
+  "an image of {}" (generate_images.py) is ``prompt: "an image of {}"``, and ``"{}"`` is the bare name.
 - ``aggregation`` defaults to ``ft`` (λ = 0 in Eq. 6): the base case, reported in every table of the
   paper and usable in every scenario (``md`` is "not suitable under label distribution skew"; which of
   sd/md is best differs by table).
@@ -50,12 +55,12 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from fedguide.methods._distill import (KLDirection, predict_logits, sgd, teacher_targets, train_on_labeled)
 from fedguide.methods._one_shot import OneShotMethod, OneShotParams, server_generator
-from fedguide.methods._synthetic import (GenerationJob, SyntheticSet, SyntheticStore, check_image_data,
-                                         from_uint8, generate_set, tensor_digest, to_model_input)
+from fedguide.methods._synthetic import (GenerationJob, PixelFormat, SyntheticSet, SyntheticStore, check_image_data,
+                                         generate_set, tensor_digest, to_model_input)
 from fedguide.methods.base import METHODS
 from fedguide.registry import ConfigError
 
@@ -66,6 +71,9 @@ class GenerationParams(OneShotParams):
     """The generation and aggregation settings FedCADO and SD_Gen share."""
 
     images_per_class: int = Field(30, ge=1, description="images per class per client (paper: 30)")
+    prompt: str = Field("a photo of a {}", description="class prompt template, filled with the lower-cased class "
+                                                       "name: the class name only, no client or domain words (paper "
+                                                       "Sec. 4.1); the released code's is \"an image of {}\"")
     steps: int = Field(50, ge=1, description="denoising steps")
     scheduler: Literal["ddim", "ddpm"] = "ddim"
     cfg_scale: float = Field(3.0, description="classifier-free guidance scale (paper: 3)")
@@ -82,6 +90,32 @@ class GenerationParams(OneShotParams):
     agg_batch_size: Optional[int] = Field(None, ge=1, description="null = train.batch_size")
     reuse_synthetic: Optional[str] = Field(
         None, description="train on the synthetic set of this earlier run directory instead of generating")
+    chunk_images: Optional[int] = Field(
+        None, ge=1, description="images generated, then written to the run directory, at a time (the most held at the "
+                                "generator's resolution); a multiple of gen_batch_size; null = 4 sampler batches")
+    pixel_format: PixelFormat = Field(
+        "uint8", description="how the synthetic set is stored at the classifiers' input size: uint8 (8-bit "
+                             "images, every source here) or float32 (sources whose pixels are not 8-bit)")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_slot(cls, template: str) -> str:
+        if template.count("{}") != 1:
+            raise ValueError(f"prompt {template!r} must contain {{}} once, where the class name goes "
+                             "(e.g. \"a photo of a {}\")")
+        return template
+
+    @model_validator(mode="after")
+    def _whole_batches(self) -> "GenerationParams":
+        if self.chunk_images is not None and self.chunk_images % self.gen_batch_size:
+            up = -(-self.chunk_images // self.gen_batch_size) * self.gen_batch_size
+            raise ValueError(f"chunk_images ({self.chunk_images}) must be a multiple of gen_batch_size "
+                             f"({self.gen_batch_size}), so chunks end between sampler batches; use e.g. {up}")
+        return self
+
+    @property
+    def chunk(self) -> int:
+        return self.chunk_images or 4 * self.gen_batch_size
 
 
 class FedCADOParams(GenerationParams):
@@ -172,6 +206,7 @@ def generation_seed(run_seed: int, client_id: int) -> int:
 class FedCADO(OneShotMethod):
     """FedCADO: one shot; classifier-guided generation per client on the server; global model trained on it."""
 
+    extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
     Params = FedCADOParams
 
     # ---- what the subclass SD_Gen changes ---------------------------------------------------------
@@ -198,31 +233,38 @@ class FedCADO(OneShotMethod):
     # ---- round 1 ----------------------------------------------------------------------------------
     def one_shot(self, uploads):
         run, p = self.run, self.params
-        splits = run.data.splits
         teachers = self.teachers(uploads) if self.clients_train else {}
         if p.reuse_synthetic is not None:
             synthetic = self.reused_set(p.reuse_synthetic, teachers)
             self.stats["synthetic_reused"] = 1
         else:
             synthetic = self.generate(teachers, uploads)
-        x = to_model_input(splits, from_uint8(synthetic.images))
         y = synthetic.labels
-        targets = None
-        if teachers:
-            order = sorted(teachers)
-            logits = torch.stack([predict_logits(teachers[c], x) for c in order])
-            position = {c: i for i, c in enumerate(order)}
-            own = torch.tensor([position[int(c)] for c in synthetic.clients.tolist()], dtype=torch.long)
-            own_pred = logits[own, torch.arange(len(y))].argmax(1)
-            self.stats["synthetic_teacher_accuracy"] = float((own_pred == y).double().mean())
-            targets = teacher_targets(logits, p.aggregation, own, p.temperature)
+        targets = self.targets(synthetic, teachers) if teachers else None
         student = self.fresh_global()
         train = run.config.train
-        loss = train_on_labeled(student, x, y, targets, p.agg_epochs, p.agg_batch_size or train.batch_size,
-                                sgd(student, p.agg_lr, train.momentum, train.weight_decay),
+        optimizer = sgd(student, p.agg_lr, train.momentum, train.weight_decay)
+        loss = train_on_labeled(student, synthetic.inputs, y, targets, p.agg_epochs,
+                                p.agg_batch_size or train.batch_size, optimizer,
                                 server_generator(run.config.seed, 0), p.distill_weight, p.temperature, p.kl_direction)
         self.stats.update({"synthetic_images": len(synthetic), "aggregation_loss": loss})
         return run.layout.flatten(student)
+
+    def targets(self, synthetic: SyntheticSet, teachers: dict) -> Optional[torch.Tensor]:
+        """Eq. 6's KL targets of every image (None for ft), computed chunk by chunk; also the share of the
+        images their own client's teacher classifies as their label."""
+        p = self.params
+        order = sorted(teachers)
+        position = {c: i for i, c in enumerate(order)}
+        own = torch.tensor([position[int(c)] for c in synthetic.clients.tolist()], dtype=torch.long)
+        parts, correct = [], 0
+        for rows, x in synthetic.chunks():
+            logits = torch.stack([predict_logits(teachers[c], x) for c in order])
+            mine = own[rows]
+            correct += int((logits[mine, torch.arange(len(x))].argmax(1) == synthetic.labels[rows]).sum())
+            parts.append(teacher_targets(logits, p.aggregation, mine, p.temperature))
+        self.stats["synthetic_teacher_accuracy"] = correct / len(synthetic)
+        return None if parts[0] is None else torch.cat(parts)
 
     # ---- the synthetic set ------------------------------------------------------------------------
     def recipe(self, model, client_id: int, classes: list[int],
@@ -234,7 +276,8 @@ class FedCADO(OneShotMethod):
             "guidance_model": model.model_id, "dtype": str(model.dtype),
             "dataset": self.run.config.data.name, "class_names": list(splits.class_names),
             "input_shape": list(splits.input_shape), "pixel_stats": str(splits.pixel_stats),
-            "scheduler": p.scheduler, "steps": p.steps, "cfg_scale": p.cfg_scale, "batch_size": p.gen_batch_size,
+            "prompt": p.prompt, "scheduler": p.scheduler, "steps": p.steps, "cfg_scale": p.cfg_scale,
+            "batch_size": p.gen_batch_size,
             "seed": generation_seed(self.run.config.seed, client_id), "images_per_class": p.images_per_class,
             "client": client_id, "classes": classes,
         }
@@ -244,7 +287,7 @@ class FedCADO(OneShotMethod):
                           teacher=self.arch_of(client_id).describe(), teacher_weights=tensor_digest(teacher_weights))
         return recipe
 
-    def sampler_config(self, client_id: int):
+    def sampler_config(self, client_id: int, first_index: int = 0):
         from fedguide.guidance.samplers import SamplerConfig
 
         p = self.params
@@ -253,13 +296,16 @@ class FedCADO(OneShotMethod):
                              loss_scale=getattr(p, "classifier_scale", 1.0),
                              edit_steps=p.edit_steps if (self.guided and edit) else 0,
                              edit_lr=getattr(p, "edit_lr", 0.1), batch_size=p.gen_batch_size,
-                             seed=generation_seed(self.run.config.seed, client_id), progress=p.progress)
+                             seed=generation_seed(self.run.config.seed, client_id), progress=p.progress,
+                             first_index=first_index)
 
-    def sample_client(self, model, client_id: int, teacher, prompts: list[str], labels: torch.Tensor):
-        """One client's images through the guidance layer's sampler (guided by ``teacher`` when given)."""
+    def sample_client(self, model, client_id: int, teacher, prompts: list[str], labels: torch.Tensor,
+                      first_index: int = 0):
+        """A chunk of one client's images (from its image ``first_index`` on) through the guidance layer's
+        sampler, guided by ``teacher`` when given."""
         from fedguide.guidance import samplers
 
-        config = self.sampler_config(client_id)
+        config = self.sampler_config(client_id, first_index)
         if teacher is None:
             return samplers.sample(model, prompts, config)
         ce, bn_on, _ = self.guidance_terms()
@@ -290,9 +336,9 @@ class FedCADO(OneShotMethod):
                 raise ConfigError(f"client {cid} uploaded no model to guide the generation")
             recipe = self.recipe(model, cid, classes, weights[cid] if self.guided else None)
             jobs.append(GenerationJob(cid, classes, recipe, partial(self.sample_client, model, cid, teacher)))
-        prompts = class_prompts(run.data.splits.class_names)
+        prompts = class_prompts(run.data.splits.class_names, p.prompt)
         synthetic, stats = generate_set(store, jobs, lambda labels: [prompts[c] for c in labels], p.images_per_class,
-                                        run.data.splits.class_names, verbose=p.progress)
+                                        p.chunk, run.data.splits, p.pixel_format, verbose=p.progress)
         store.write_index(synthetic, {"method": run.config.method.name,
                                       "class_names": list(run.data.splits.class_names), "num_clients": run.num_clients,
                                       "guidance_model": model.model_id, **stats.metrics()})
@@ -319,12 +365,13 @@ class FedCADO(OneShotMethod):
                 raise ConfigError(f"reuse_synthetic: the set has images of client {cid}, which sent no model in this "
                                   f"run, so no teacher can supervise them ({self.params.aggregation}); reuse a run "
                                   "with the same clients or use aggregation ft")
-            part = store.load(cid)
+            chunks = store.parts(cid)
             if self.params.aggregation == "sd":
-                extra = sorted(set(part.labels.tolist()) - set(self.client_classes.get(cid, [])))
+                held = set(torch.cat([labels for _, _, labels in chunks]).tolist())
+                extra = sorted(held - set(self.client_classes.get(cid, [])))
                 if extra:
                     raise ConfigError(f"reuse_synthetic: client {cid}'s synthetic images include classes {extra} it "
                                       "does not hold in this run, so its teacher cannot supervise them (sd); reuse a "
                                       "run with the same partition or use aggregation ft")
-            parts.append(part)
-        return SyntheticSet.concat(parts)
+            parts.extend(chunks)
+        return SyntheticSet(self.run.data.splits, parts)

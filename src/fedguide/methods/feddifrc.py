@@ -56,6 +56,12 @@ Decisions (SPEC "FedDifRC"; each is an option, default first)
   sample: per-sample draws would cost the same UNet passes but one cached context set per sample.
 - ``seed`` seeds the features' noise (per sample index), the PCA, the condition map, the lift and the
   vocabulary draw.
+- ``image_size: paper``: images are resized to 224 x 224 before the VAE (Sec. 4.1: "the image size is
+  224x224", decoder maps of {7, 14, 28, 28} on SD-1.5), not to the pipeline's 512, which costs about five
+  times the UNet work; fedguide's own models (the embedded ones, trained on 32-px images only) take their
+  own size. ``native``: the data's own size; ``pipeline``: the pipeline's; an integer: that size. A size
+  the VAE cannot take is refused when the method is built (guidance/pipeline_facts.py); the size is in
+  the feature-cache key and the run's guidance record.
 """
 from __future__ import annotations
 
@@ -74,9 +80,11 @@ from fedguide.guidance.hooks import decoder_layer
 from fedguide.guidance.shared import PROMPT, class_prompts, feature_store, guidance_model
 from fedguide.guidance.store import FeatureKey, FeatureStore
 from fedguide.methods._diffusion_features import (GuidanceRecord, RowLookup, block_channels, cached_features,
-                                                  digest, feature_key, fit_basis, fit_sample, guidance_images,
-                                                  in_batches, lookup, prompt_maps, prompt_vectors, timed,
+                                                  data_recipe, digest, feature_key, fit_basis, fit_sample,
+                                                  guidance_images, in_batches, input_size, input_size_note,
+                                                  loaded_input_size, lookup, prompt_maps, prompt_vectors, timed,
                                                   training_rows)
+from fedguide.methods._linear_probe import LinearProbe, linear_probe  # noqa: F401  (linear_probe: its tests)
 from fedguide.methods.base import METHODS, Method
 from fedguide.registry import ConfigError
 
@@ -84,6 +92,7 @@ if TYPE_CHECKING:
     from fedguide.guidance.model import GuidanceModel
 
 SIMILAR_PROMPT = "a photo of a similar object"
+PAPER_IMAGE_SIZE = 224  # Sec. 4.1
 VISUAL_PROMPT = "a photo of a visual object"
 # CIFAR-100's class names: the public vocabulary of the self-supervised variant's negatives.
 CIFAR100_NAMES = (
@@ -131,6 +140,9 @@ class FedDifRCParams(BaseModel):
     samples_per_image: int = Field(64, ge=1, description="spatial positions per image and layer in the PCA fit")
     extract_batch: int = Field(32, ge=1, description="images per UNet batch (times the prompts per image)")
     seed: int = Field(0, ge=0, description="noise, PCA, condition map, lift and vocabulary seed")
+    image_size: Union[Annotated[int, Field(ge=1)], Literal["paper", "native", "pipeline"]] = Field(
+        "paper", description="pixels per side of the images the VAE encodes: paper = 224 (Sec. 4.1; fedguide's "
+                             "own 32-px models: their size), native = the data's, pipeline = the pipeline's")
 
     @model_validator(mode="after")
     def _check(self) -> "FedDifRCParams":
@@ -194,18 +206,6 @@ def orthonormal_lift(in_dim: int, out_dim: int, seed: int) -> torch.Tensor:
     return torch.linalg.qr(gaussian).Q.float()
 
 
-def linear_probe(train_features: np.ndarray, train_labels: np.ndarray, test_features: np.ndarray,
-                 test_labels: np.ndarray, seed: int = 0) -> float:
-    """Test accuracy of a logistic regression on standardised frozen features."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-
-    probe = make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000, random_state=seed))
-    probe.fit(train_features, train_labels)
-    return float(probe.score(test_features, test_labels))
-
-
 def max_halving_dim(channels: list[int], limit: int) -> int:
     """The largest d <= limit whose halving split over these layers fits every layer's channels."""
     for d in range(min(limit, sum(channels)), 0, -1):
@@ -236,6 +236,7 @@ class _Extraction:
 class FedDifRC(Method):
     """FedDifRC: CE + TDCL (conditional diffusion features) + NDCR (denoising diffusion features), FedAvg."""
 
+    extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
     def __init__(self, params: FedDifRCParams, run):
         super().__init__(params, run)
         self.z_dim = int(run.model.feature_dim)
@@ -259,6 +260,8 @@ class FedDifRC(Method):
             self.ndcr_prompts = list(self.tdcl_prompts)
         self._stats = {"condition_seconds": 0.0, "condition_unet_images": 0}
         self._probe_model = None
+        # Resolved (and refused if the VAE cannot take it) when the method is built, so --dry-run says so.
+        self.image_size = input_size(run, params.image_size, PAPER_IMAGE_SIZE) if params.tdcl or params.ndcr else None
 
     # ---- server: bases and cached features ----------------------------------------------------------
     def _recipe(self, layers: tuple[str, ...]) -> FusedFeatures:
@@ -314,13 +317,16 @@ class FedDifRC(Method):
         record = GuidanceRecord(run, "feddifrc")
         rebuild = cfg.guidance.rebuild and record.first
         layers = tuple(decoder_layer(level) for level in p.layers)
+        if self.image_size is None:  # the pipeline's configs were not readable before the model was loaded
+            self.image_size = loaded_input_size(run, p.image_size, PAPER_IMAGE_SIZE)
+        record.note("image_size", input_size_note(p.image_size, self.image_size, model))
         self._settle_fused_dim(model, layers, record)
         rows = training_rows(run)
         self._rows = RowLookup(rows)
         fit_idx, fit_source = fit_sample(run, p.fit_samples, p.seed)
         record.note("basis_fit", fit_source, f"FedDifRC: PCA bases fitted on {fit_source}")
         record.note("condition_refresh", self.refresh)
-        fit_desc = {"data": cfg.data.model_dump(mode="json"), "samples": digest(fit_idx), "count": int(len(fit_idx))}
+        fit_desc = {"data": data_recipe(cfg), "samples": digest(fit_idx), "count": int(len(fit_idx))}
         return _Extraction(model, store, record, rebuild, layers, rows, fit_idx, fit_desc)
 
     def _settle_fused_dim(self, model: GuidanceModel, layers: tuple[str, ...], record: GuidanceRecord) -> None:
@@ -335,14 +341,15 @@ class FedDifRC(Method):
         p = self.params
         mode = "none" if self.refresh == "never" else p.condition_mode
         cmap = ConditionMap(self.z_dim, ex.model.context_dim, p.seed) if mode != "none" else None
-        spec = FeatureSpec(ex.layers, t=0, noise_seed=p.seed, condition_mode=mode, extra={"role": "tdcl"})
+        spec = FeatureSpec(ex.layers, t=0, noise_seed=p.seed, condition_mode=mode, extra={"role": "tdcl"},
+                           image_size=self.image_size)
         self.tdcl_feats = DiffusionFeatures(ex.model, spec, self._recipe(ex.layers), cmap)
         self.tdcl_tokens = ex.model.encode_text(tuple(self.tdcl_prompts)).tokens
 
     def _build_ndcr(self, ex: _Extraction) -> torch.Tensor:
         """NDCR's recipe at the noise timestep t; returns its prompts' tokens."""
         p = self.params
-        spec = FeatureSpec(ex.layers, t=p.t, noise_seed=p.seed, extra={"role": "ndcr"})
+        spec = FeatureSpec(ex.layers, t=p.t, noise_seed=p.seed, extra={"role": "ndcr"}, image_size=self.image_size)
         self.ndcr_feats = DiffusionFeatures(ex.model, spec, self._recipe(ex.layers))
         return ex.model.encode_text(tuple(self.ndcr_prompts)).tokens
 
@@ -472,22 +479,6 @@ class FedDifRC(Method):
         return metrics
 
     def _probe(self, global_weights) -> dict:
-        run = self.run
         if self._probe_model is None:
-            with torch.random.fork_rng(devices=[]):  # leaves every random stream untouched
-                self._probe_model = run.make_model()
-            self._probe_model.eval()
-        run.layout.load(self._probe_model, global_weights)
-        pool = training_rows(run)
-        if len(pool) > self.params.probe_samples:
-            rng = np.random.default_rng(np.random.SeedSequence([run.config.seed, 0xB0]))
-            pool = np.sort(rng.choice(pool, self.params.probe_samples, replace=False))
-        splits, batch = run.data.splits, run.config.train.eval_batch_size
-
-        def encode(x: torch.Tensor) -> np.ndarray:
-            with torch.no_grad():
-                return torch.cat([self._probe_model.encoder(x[s:s + batch]) for s in range(0, len(x), batch)]).numpy()
-
-        accuracy = linear_probe(encode(splits.train_x[torch.from_numpy(pool)]), splits.train_y[pool].numpy(),
-                                encode(splits.test_x), splits.test_y.numpy(), seed=run.config.seed)
-        return {"accuracy": accuracy, "probe_accuracy": accuracy}
+            self._probe_model = LinearProbe(self.run, self.params.probe_samples)
+        return self._probe_model(global_weights)

@@ -14,19 +14,32 @@ protocol of ``_centroids.py``. Step 4, on the server, after the one upload:
   pass); another value adds text classifier-free guidance on top.
 - A linear head on the frozen image encoder is trained on the generated images with their classes
   (SGD, lr 0.01, batch 256); the run's accuracy is encoder + head on the test set.
+  ``head_epochs`` (100) is chosen here: the paper states none; the released crosssilo.py trains 10 epochs.
 
 Decisions where the paper is silent:
 - Scale of the image conditions: the uploaded features live at norm ≤ B (see _frozen_encoder); before
-  conditioning they are rescaled by r/B, r the mean raw embedding norm of the server's labeled images,
+  conditioning they are rescaled by c = r/B, r the mean raw embedding norm of the server's labeled images,
   so an unCLIP model sees them at its encoder's own scale (its normaliser standardises raw embeddings).
   Token-conditioned models normalise the embedding anyway.
+- Eq. 5's noise (``noise_process``, _feature_noise.py): ``unclip`` (default on unCLIP pipelines, the
+  released code) has the clients noise c·z with the pipeline's image-noising scheduler on the normaliser-
+  standardised embedding at ``noise_level``, and the UNet is given that level with every image condition;
+  ``unet_schedule`` (the only one token-conditioned models such as the embedded ones have) noises z on
+  the UNet's schedule and gives an unCLIP UNet level 0. The privacy report names the process that ran.
 - Images of class j are sampled in batches of ``gen_batch_size``; the noise of image i of batch b depends
   on (run seed, j, b, i) alone (the sampler's per-image generators); the pairing of Eq. 6 on the run seed.
 - Generated images are encoded class by class and dropped; only ``sample_grid`` images per class are kept
-  and written to ``feddisc_samples.png`` in the run directory (one row per class).
+  and written to ``feddisc_samples.png`` in the run directory (one row per class), and as 8-bit pixels with
+  their classes and the client whose domain feature guided each to ``feddisc_samples.safetensors``
+  (``fedguide analyze --samples`` sets them beside the clients' own images).
 - Ablations (Table 4): ``use_domain_features: false`` drops the w_g term; ``random_centroids: true``
   uploads random member features instead of centroids. Tables 2-3: ``num_centroids`` (L) and
   ``images_per_centroid`` (R).
+- ``client_labels: own``: supervised FedDISC, the row of FedDifRC's Table 6 ("FedDISC on labeled
+  clients", CIFAR-10 and CIFAR-10-LT): every client is labeled, so its samples are grouped by their own
+  labels instead of Eq. 3's pseudo-labels; the rest (k-means per class, domain features, noise, composed
+  generation, the server's head) is unchanged. The server's prototypes still give the embedding scale c.
+  A partition whose clients are unlabeled refuses it.
 - Not in the paper, off by default: ``head_train_set: generated_and_centroids`` trains the head on the
   generated images' features and the uploaded noisy centroids (as centroid_finetune takes them)
   together, which tells whether generation adds anything the centroids do not already carry.
@@ -50,6 +63,7 @@ from fedguide.registry import ConfigError
 
 PAIRING_TAG, GENERATION_TAG = 21, 22
 PROGRESS_FROM = 256  # a generation of at least this many images shows a progress bar (stderr)
+SAMPLES_FILE = "feddisc_samples.safetensors"
 
 
 class FedDISCParams(CentroidParams):
@@ -67,6 +81,9 @@ class FedDISCParams(CentroidParams):
     head_train_set: Literal["generated", "generated_and_centroids"] = Field(
         "generated", description="what the server's head trains on: the generated images (the paper) or those plus "
                                  "the uploaded noisy centroids (a diagnostic: do the images add to the centroids?)")
+    client_labels: Literal["pseudo", "own"] = Field(
+        "pseudo", description="what groups a client's samples: Eq. 3's pseudo-labels, or its own labels (labeled "
+                              "clients: FedDISC as FedDifRC's Table 6 runs it)")
 
 
 # ---- Eq. 6: what to generate -----------------------------------------------------------------------------
@@ -108,14 +125,16 @@ def plan_generation(uploads: Sequence[dict], images_per_centroid: int, use_domai
 
 
 # ---- Eq. 7: the conditions -------------------------------------------------------------------------------
-def composed_conditions(model, context: torch.Tensor, features: Sequence[tuple[float, torch.Tensor]]) -> list:
+def composed_conditions(model, context: torch.Tensor, features: Sequence[tuple[float, torch.Tensor]],
+                        noise_level: int = 0, noised: bool = False) -> list:
     """One sampler ``Condition`` per (weight, image embeddings [N, D]), built by ``model.condition_inputs``:
-    unCLIP class labels, or a context carrying the image token (token-conditioned models)."""
+    unCLIP class labels, or a context carrying the image token (token-conditioned models). ``noised``:
+    the embeddings were noised to ``noise_level`` by the unCLIP process (Eq. 5), and the UNet is told so."""
     from fedguide.guidance.samplers import Condition
 
     out = []
     for weight, embeds in features:
-        ctx, labels = model.condition_inputs(context, embeds)
+        ctx, labels = model.condition_inputs(context, embeds, noise_level=noise_level, noised=noised)
         out.append(Condition(float(weight), class_labels=labels, context=ctx if labels is None else None))
     return out
 
@@ -149,9 +168,40 @@ def save_grid(images: Sequence[torch.Tensor], path: Path) -> None:
     Image.fromarray(pixels).save(path)
 
 
+def guiding_clients(positions: torch.Tensor, uploads: Sequence[dict]) -> torch.Tensor:
+    """Client ids of upload positions (-1 stays -1: no domain feature)."""
+    ids = torch.tensor([int(u.get("client_id", i)) for i, u in enumerate(uploads)], dtype=torch.long)
+    return torch.where(positions >= 0, ids[positions.clamp(min=0)], positions)
+
+
+def save_samples(images: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], clients: Sequence[torch.Tensor],
+                 path: Path) -> None:
+    """The grid's images (uint8), their classes and the client whose domain feature guided each (-1: none)."""
+    from safetensors.torch import save_file
+
+    from fedguide.core.atomic import write_atomic
+    from fedguide.methods._synthetic import to_uint8
+
+    tensors = {"images": to_uint8(torch.cat(list(images))).contiguous(), "labels": torch.cat(list(labels)).long(),
+               "clients": torch.cat(list(clients)).long()}
+    write_atomic(path, lambda tmp: save_file(tensors, tmp))
+
+
 @METHODS.register("feddisc", params=FedDISCParams)
 class FedDISC(CentroidOneShot):
     """FedDISC: one-shot; noisy client centroids + domain features guide diffusion generation; linear head on CLIP."""
+
+    def setup(self):
+        if self.params.client_labels == "own" and not self.run.data.clients_labeled:
+            raise ConfigError("method.client_labels=own groups each client's samples by its own labels, but the "
+                              "clients of this partition are unlabeled; use client_labels: pseudo or a labeled "
+                              "partition (dirichlet, nid2, ...)")
+        super().setup()
+
+    def client_labels(self, feats, ctx):
+        if self.params.client_labels == "own":  # labeled clients: their labels replace Eq. 3
+            return ctx.data.labels().to(feats.device)
+        return super().client_labels(feats, ctx)
 
     def fit_head(self, uploads):
         from fedguide.guidance.samplers import SamplerConfig, sample
@@ -163,14 +213,16 @@ class FedDISC(CentroidOneShot):
         t0 = time.perf_counter()
         rng = np.random.default_rng(derive_seed(self.run.config.seed, "model", PAIRING_TAG))
         plan = plan_generation(uploads, p.images_per_centroid, p.use_domain_features, p.min_cluster_size, rng)
-        idx, _ = self.labeled()
-        cond_scale = float(feats.raw_train(idx).norm(dim=1).mean()) / feats.norm
+        self.ensure_prototypes()
+        cond_scale = self.condition_scale
+        # unclip: the uploads were noised to noise_level by the pipeline's own process; tell the UNet that level
+        level = {"noise_level": p.noise_level, "noised": True} if self.noise_process() == "unclip" else {}
         prompts = class_prompts(self.run.data.splits.class_names, p.prompt)
-        gen_feats, gen_labels, grid = [], [], []
+        gen_feats, gen_labels, grid, grid_labels, grid_clients = [], [], [], [], []
         with progress(len(plan.labels), "generating", enabled=len(plan.labels) >= PROGRESS_FROM) as advance:
             for j in sorted(set(plan.labels.tolist())):
                 rows = torch.nonzero(plan.labels == j).flatten()
-                kept = []
+                kept, kept_clients = [], []
                 # One sampler call per batch, so only one batch of (possibly large) images is held at a time.
                 for chunk, start in enumerate(range(0, len(rows), p.gen_batch_size)):
                     part = rows[start: start + p.gen_batch_size]
@@ -182,12 +234,16 @@ class FedDISC(CentroidOneShot):
                     config = SamplerConfig(scheduler=p.scheduler, steps=p.steps, guidance_scale=p.cfg_scale,
                                            eta=p.eta, batch_size=p.gen_batch_size, progress=False, seed=seed)
                     images = sample(model, [prompts[j]] * len(part), config,
-                                    composed_conditions(model, context, pairs)).images
+                                    composed_conditions(model, context, pairs, **level)).images
                     gen_feats.append(feats.of_images(images))
                     gen_labels.append(torch.full((len(part),), j, dtype=torch.long))
-                    kept.append(images[: max(p.sample_grid - sum(len(k) for k in kept), 0)])
+                    shown = max(p.sample_grid - sum(len(k) for k in kept), 0)
+                    kept.append(images[:shown])
+                    kept_clients.append(guiding_clients(plan.domain_client[part[:shown]], uploads))
                     advance(len(part))
                 grid.append(torch.cat(kept))
+                grid_labels.append(torch.full((len(grid[-1]),), j, dtype=torch.long))
+                grid_clients.append(torch.cat(kept_clients))
         generation_seconds = time.perf_counter() - t0
         x, y = torch.cat(gen_feats), torch.cat(gen_labels)
         extra = {}
@@ -198,5 +254,6 @@ class FedDISC(CentroidOneShot):
         head, loss = self.train_server_head(x, y)
         if p.sample_grid:
             save_grid(grid, self.run.run_dir / "feddisc_samples.png")
+            save_samples(grid, grid_labels, grid_clients, self.run.run_dir / SAMPLES_FILE)
         return head, {"generated_images": int(len(plan.labels)), "head_train_samples": int(len(y)), **extra,
                       "generation_seconds": generation_seconds, "head_train_loss": loss}

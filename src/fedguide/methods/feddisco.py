@@ -108,13 +108,15 @@ class FedDisco(Method):
         return upload
 
     def aggregate(self, round_, global_weights, uploads):
+        # Label histograms are small and live on the host, as the server store keeps them.
         store = self.run.server_store
         hists = []
         for u in uploads:
             if "label_counts" in u:
-                store.put(u["client_id"], round_, {"label_counts": u["label_counts"]})
-                self.global_counts = self.global_counts + u["label_counts"].to(torch.float64)
-                hists.append(u["label_counts"])
+                counts = u["label_counts"].cpu()
+                store.put(u["client_id"], round_, {"label_counts": counts})
+                self.global_counts = self.global_counts + counts.to(torch.float64)
+                hists.append(counts)
             else:
                 hists.append(store.get(u["client_id"], round_)["label_counts"])
         reference = "uniform" if self.params.reference == "uniform" else self.global_counts
@@ -128,4 +130,4 @@ class FedDisco(Method):
     def load_server_state(self, state):
         if "global_counts" not in state:
             raise ValueError(f"the checkpoint has no FedDisco label counts (keys: {sorted(state)})")
-        self.global_counts = state["global_counts"]
+        self.global_counts = state["global_counts"].cpu()

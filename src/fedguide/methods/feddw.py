@@ -13,6 +13,13 @@ The regulariser ("dw") composes with any method (``regularizers: [dw]``: FedProx
 ``method.name: feddw`` is FedAvg with it. Not reproduced from the released code: the cumulative
 averaging of every past round's uploads (the paper aggregates this round's). Its decay of μ by 10
 every 9 rounds is available as ``mu_decay_every: 9`` (off by default, as in the paper).
+
+Model (Sec. V-A): "all datasets use two fully connected layers as the mapping layers f_π and one fully
+connected layer as the classification layer f_ω. The size of vector passed to the classification layer
+for all models is 128." ``feddw`` therefore defaults the model to ``mapping: [128, 128]`` and
+``head_bias: false`` unless the config sets them; the first mapping layer's width is not stated (128
+here; the released code's models.py has 256, ``model.mapping: [256, 128]``). The ``dw`` regulariser on
+another method sets only the bias-free head, leaving that method's architecture as configured.
 """
 from __future__ import annotations
 
@@ -81,7 +88,7 @@ class DW(Regularizer):
         super().__init__(params, run)
         if getattr(run.model.head, "bias", None) is not None:
             raise ConfigError("FedDW regularises a classification layer without bias; set model.head_bias=false "
-                              "(and, as in the paper, model.mapping=[128,128])")
+                              "(and, as in the paper's Sec. V-A, model.mapping=[128,128])")
         self.sl = torch.eye(run.num_classes)  # Ω_0 = I
 
     def server_payload(self, round_, client_id):
@@ -120,7 +127,8 @@ class DW(Regularizer):
 class FedDW(Composed):
     """FedDW: FedAvg + μ·‖Ω_global − softmax(ωωᵀ)‖²/C² (bias-free head; soft-label matrices aggregated)."""
 
-    model_defaults = DW.model_defaults
+    # Sec. V-A: two FC mapping layers, a 128-d vector into the bias-free classification layer.
+    model_defaults = {**DW.model_defaults, "mapping": [128, 128]}
 
     def __init__(self, params, run):
         super().__init__(FedAvg(NoParams(), run), [DW(params, run)])

@@ -128,7 +128,7 @@ class FedNH(Method):
     def setup(self):
         self.head_weight = self.run.layout.span("head.weight")
         self.head_bias = self.run.layout.span("head.bias") if "head.bias" in self.run.layout.names else None
-        self.scale = torch.tensor(self.params.scale, dtype=torch.float32)
+        self.scale = torch.tensor(self.params.scale, dtype=torch.float32, device=self.run.device)
 
     def init_global(self, weights):
         c, d = self.run.num_classes, self.run.model.feature_dim
@@ -138,7 +138,7 @@ class FedNH(Method):
         else:
             protos = orthogonal_prototypes(c, d, seed)
         weights = weights.clone()
-        weights[self.head_weight] = protos.reshape(-1)
+        weights[self.head_weight] = protos.reshape(-1).to(weights.device)
         if self.head_bias is not None:
             weights[self.head_bias] = 0.0
         return weights
@@ -177,7 +177,8 @@ class FedNH(Method):
         return F.cross_entropy(cosine_logits(model.encoder(x), ctx.scratch["protos"], scale), y)
 
     def client_upload(self, model, ctx):
-        means, counts = class_feature_means(model, ctx.data, self.run.config.train.eval_batch_size, normalize=True)
+        means, counts = class_feature_means(model, ctx.data, self.run.config.train.eval_batch_size, normalize=True,
+                                            fetch=ctx.batch)
         upload = {"weights": self.run.layout.flatten(model), "num_samples": len(ctx.data),
                   "class_means": means, "class_counts": counts}
         if self.params.learn_scale:

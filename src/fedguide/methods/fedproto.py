@@ -103,22 +103,25 @@ def nearest_prototype(z: torch.Tensor, protos: torch.Tensor, present_mask: torch
 
 @torch.no_grad()
 def class_feature_means(model: "SplitModel", data: "ClientData", batch_size: int,
-                        normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        normalize: bool = False, fetch=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-class mean encoder output over a client's training data, in eval mode; (C, d) and counts (C,).
 
     ``normalize`` L2-normalises every feature first (FedNH). Classes the client lacks get a zero row.
+    ``fetch(indices) -> (x, y)`` gathers a batch where the model is (``ClientContext.batch``); without it,
+    from the client's host tensors.
     """
     was_training = model.training
     model.eval()
     c = data.num_classes
-    sums = torch.zeros(c, model.feature_dim, dtype=torch.float64)
-    counts = torch.zeros(c, dtype=torch.int64)
+    device = next(model.parameters()).device
+    sums = torch.zeros(c, model.feature_dim, dtype=torch.float64, device=device)
+    counts = torch.zeros(c, dtype=torch.int64, device=device)
     for start in range(0, len(data), batch_size):
         idx = data.indices[start: start + batch_size]
-        z = model.encoder(data.x[idx])
+        xb, yb = fetch(idx) if fetch is not None else (data.x[idx], data.y[idx])
+        z = model.encoder(xb)
         if normalize:
             z = F.normalize(z, dim=1)
-        yb = data.y[idx]
         sums.index_add_(0, yb, z.to(torch.float64))
         counts += torch.bincount(yb, minlength=c)
     model.train(was_training)
@@ -130,8 +133,8 @@ class FedProto(Method):
     """FedProto: CE + λ·‖z − global class prototype‖², per-class prototype averaging, nearest-prototype inference."""
 
     def setup(self):
-        self.protos = torch.zeros(self.run.num_classes, self.run.model.feature_dim)
-        self.present = torch.zeros(self.run.num_classes, dtype=torch.bool)
+        self.protos = torch.zeros(self.run.num_classes, self.run.model.feature_dim, device=self.run.device)
+        self.present = torch.zeros(self.run.num_classes, dtype=torch.bool, device=self.run.device)
 
     def server_payload(self, round_, client_id, global_weights):
         payload = {"protos": self.protos, "proto_present": self.present}
@@ -157,7 +160,7 @@ class FedProto(Method):
         return loss + self.params.lam * reg
 
     def client_upload(self, model, ctx):
-        means, counts = class_feature_means(model, ctx.data, self.run.config.train.eval_batch_size)
+        means, counts = class_feature_means(model, ctx.data, self.run.config.train.eval_batch_size, fetch=ctx.batch)
         upload = {"protos": means, "class_counts": counts, "num_samples": len(ctx.data)}
         weights = self.run.layout.flatten(model)
         if self.params.share_weights:
@@ -183,6 +186,12 @@ class FedProto(Method):
         head_pred = logits.argmax(1)
         pred = nearest_prototype(z, self.protos, self.present) if self.present.any() else head_pred
         return {**self.run.evaluator.score(pred, logits), "head_accuracy": float((head_pred == y).float().mean())}
+
+    def personal_model(self, round_, client_id, global_weights):
+        if self.params.share_weights:
+            return super().personal_model(round_, client_id, global_weights)
+        weights = self.run.store.get(client_id, round_).get("weights")  # the paper-literal client's own model
+        return self.run.initial_weights if weights is None else weights.to(self.run.device)
 
     def evaluate(self, round_, global_weights):
         if self.params.share_weights:

@@ -24,6 +24,10 @@ class Local(Method):
     def aggregate(self, round_, global_weights, uploads):
         return global_weights
 
+    def personal_model(self, round_, client_id, global_weights):
+        weights = self.run.store.get(client_id, round_).get("weights")
+        return self.run.initial_weights if weights is None else weights.to(self.run.device)
+
     def evaluate(self, round_, global_weights):
-        return mean_metrics([self.run.evaluator.evaluate(self.run.store.get(cid, round_).get("weights", self.run.initial_weights))
+        return mean_metrics([self.run.evaluator.evaluate(self.personal_model(round_, cid, global_weights))
                              for cid in range(self.run.num_clients)])

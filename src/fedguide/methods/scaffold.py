@@ -96,8 +96,9 @@ def server_update(x: torch.Tensor, c: torch.Tensor, delta_ys: Sequence[torch.Ten
     n = torch.as_tensor([float(s) for s in num_samples], dtype=torch.float64)
     sample_w = n / n.sum()
     mean_w = sample_w if weighting == "samples" else torch.full_like(sample_w, 1.0 / len(delta_ys))
-    dy_params = torch.zeros(int(param_mask.sum()), dtype=torch.float64)
-    dy_buffers = torch.zeros(int((~param_mask).sum()), dtype=torch.float64)
+    param_mask = param_mask.to(x.device)
+    dy_params = torch.zeros(int(param_mask.sum()), dtype=torch.float64, device=x.device)
+    dy_buffers = torch.zeros(int((~param_mask).sum()), dtype=torch.float64, device=x.device)
     dc_sum = torch.zeros_like(c, dtype=torch.float64)
     for dy, dc, wm, ws in zip(delta_ys, delta_cs, mean_w, sample_w):
         dy64 = dy.to(torch.float64)
@@ -130,11 +131,11 @@ class Scaffold(Method):
     @property
     def mask(self) -> torch.Tensor:
         if self._mask is None:
-            self._mask = self.run.layout.parameter_mask(self.run.model)
+            self._mask = self.run.layout.parameter_mask(self.run.model).to(self.run.device)
         return self._mask
 
     def _zeros(self) -> torch.Tensor:
-        return torch.zeros(int(self.mask.sum()), dtype=torch.float32)
+        return torch.zeros(int(self.mask.sum()), dtype=torch.float32, device=self.run.device)
 
     def setup(self):
         self.control = self._zeros()
@@ -154,7 +155,7 @@ class Scaffold(Method):
         if not torch.any(diff):
             ctx.scratch["pairs"] = None  # c = c_i (e.g. both zero in round 1): plain local SGD
             return
-        full = torch.zeros(self.run.layout.numel, dtype=diff.dtype)
+        full = torch.zeros(self.run.layout.numel, dtype=diff.dtype, device=diff.device)
         full[self.mask] = diff
         named = dict(model.named_parameters())
         params, corrections, offset = [], [], 0
@@ -174,7 +175,7 @@ class Scaffold(Method):
         total = [torch.zeros_like(p) for p in params]
         for start in range(0, len(data), bs):
             idx = data.indices[start: start + bs]
-            loss = super().local_loss(model, data.x[idx], data.y[idx], ctx)
+            loss = super().local_loss(model, *ctx.batch(idx), ctx)
             grads = torch.autograd.grad(loss, params)
             torch._foreach_add_(total, grads, alpha=idx.numel() / len(data))
         named = dict(model.named_parameters())

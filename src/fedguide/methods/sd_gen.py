@@ -1,9 +1,10 @@
 """SD_Gen, FedCADO's text-only baseline (FedCADO paper, Sec. 4.1): the server generates images from the
 class prompts alone, no classifier guiding them, and trains the global model on them.
 
-It is FedCADO's pipeline (fedcado.py) with every guidance term off: the same prompts ("a photo of a
-{class}"), CFG scale, sampler, number of images and per-image noise, so an SD_Gen and a FedCADO run of
-one seed differ in the classifier guidance alone.
+It is FedCADO's pipeline (fedcado.py) with every guidance term off: the same prompts (``prompt``, "a
+photo of a {class}"), CFG scale, sampler, number of images and per-image noise, and the same chunked,
+resumable synthetic set (_synthetic.py), so an SD_Gen and a FedCADO run of one seed differ in the
+classifier guidance alone.
 
 Decisions:
 - The images are generated per client "slot" as FedCADO's are: ``images_per_class`` for each class a

@@ -35,6 +35,11 @@ Decisions (SPEC "SemanticFL"; each an option, default first)
   ``fixed``: W is a seeded random map, never trained nor sent. Both start from the same seeded W
   (Gaussian / √H).
 - Table II ablation switches: ``kd`` and ``con`` turn each term off.
+- ``image_size: paper``: images enter the VAE at the data's own size (Stage 1: 32x32 CIFAR images become
+  4x4 latents), not resized to the pipeline's 512; fedguide's own models (the embedded ones, trained on
+  32-px images only) take their own size. ``native`` is the data's size on every pipeline, ``pipeline``
+  the pipeline's, an integer that size; a size the VAE cannot take (28-px Fashion-MNIST on SD's factor 8)
+  is refused when the method is built, naming the nearest sizes it can take.
 - ``kd_form: normalized`` (default): L_KD = KL(softmax(v̂/τ_KD) ‖ softmax(f/τ_KD)), v̂ the L2-normalised
   visual features, τ_KD = ``kd_tau`` = 0.2. ``raw`` is Eq. 5 as printed, which cannot be met: f is a
   unit vector, so softmax(f) over d = 512 dims is nearly uniform (entropy ≈ log 512 = 6.24), while
@@ -46,7 +51,7 @@ Decisions (SPEC "SemanticFL"; each an option, default first)
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal, Union
 
 import numpy as np
 import torch
@@ -60,8 +65,9 @@ from fedguide.guidance.features import DiffusionFeatures, FeatureSpec
 from fedguide.guidance.fused import PooledPCAFeatures
 from fedguide.guidance.shared import class_prompts, feature_store, guidance_model
 from fedguide.methods._diffusion_features import (GuidanceRecord, RowLookup, block_channels, cached_features,
-                                                  digest, feature_key, fit_basis, fit_sample, guidance_images,
-                                                  in_batches, lookup, prompt_maps, prompt_vectors, timed,
+                                                  data_recipe, digest, feature_key, fit_basis, fit_sample,
+                                                  guidance_images, in_batches, input_size, input_size_note,
+                                                  loaded_input_size, lookup, prompt_maps, prompt_vectors, timed,
                                                   training_rows)
 from fedguide.methods.base import METHODS, Method
 from fedguide.registry import ConfigError
@@ -88,6 +94,9 @@ class SemanticFLParams(BaseModel):
     fit_samples: int = Field(2000, ge=2, description="images the PCA basis is fitted on (at least d)")
     extract_batch: int = Field(64, ge=1, description="images per UNet batch")
     seed: int = Field(0, ge=0, description="noise, PCA and projection seed")
+    image_size: Union[Annotated[int, Field(ge=1)], Literal["paper", "native", "pipeline"]] = Field(
+        "paper", description="pixels per side of the images the VAE encodes: paper = the data's own (Stage 1; "
+                             "fedguide's own 32-px models: their size), native = the data's, pipeline = the pipeline's")
 
 
 def kd_loss(visual: torch.Tensor, f: torch.Tensor, form: str = "raw", tau: float = 1.0) -> torch.Tensor:
@@ -122,12 +131,15 @@ class _Holder(nn.Module):
 class SemanticFL(Method):
     """SemanticFL: CE + KD to offline diffusion features + InfoNCE to class-prompt text features, FedAvg."""
 
+    extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
     def __init__(self, params: SemanticFLParams, run):
         super().__init__(params, run)
         self.z_dim = int(run.model.feature_dim)
         self.learned = params.con and params.text_projection == "learned"
         self.proj = None  # [d, H] once the text features' size is known (setup)
         self._extract_seconds = 0.0
+        # Resolved (and refused if the VAE cannot take it) when the method is built, so --dry-run says so.
+        self.image_size = input_size(run, params.image_size, None) if params.kd else None
 
     # ---- server ------------------------------------------------------------------------------------
     def _check_capacity(self, model, fit_count: int) -> None:
@@ -166,13 +178,16 @@ class SemanticFL(Method):
         self.rebuild = cfg.guidance.rebuild and record.first
         fit_idx, fit_source = fit_sample(run, p.fit_samples, p.seed)
         self._check_capacity(model, len(fit_idx))
+        if self.image_size is None:  # the pipeline's configs were not readable before the model was loaded
+            self.image_size = loaded_input_size(run, p.image_size, None)
+        record.note("image_size", input_size_note(p.image_size, self.image_size, model))
         spec = FeatureSpec(tuple(p.layers), t=p.t, noise_seed=p.seed,
-                           extra={"role": "semanticfl", "visual_prompt": p.visual_prompt})
+                           extra={"role": "semanticfl", "visual_prompt": p.visual_prompt}, image_size=self.image_size)
         self.feats = DiffusionFeatures(model, spec, PooledPCAFeatures(p.layers, d=self.z_dim, seed=p.seed))
         self.prompts = [""] if p.visual_prompt == "empty" else class_prompts(run.data.splits.class_names)
         self.tokens = model.encode_text(tuple(self.prompts)).tokens
         record.note("basis_fit", fit_source, f"SemanticFL: PCA basis fitted on {fit_source}")
-        fit_desc = {"data": cfg.data.model_dump(mode="json"), "samples": digest(fit_idx), "count": int(len(fit_idx)),
+        fit_desc = {"data": data_recipe(cfg), "samples": digest(fit_idx), "count": int(len(fit_idx)),
                     "prompts": self.prompts}
 
         def batches():

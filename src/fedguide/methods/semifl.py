@@ -6,7 +6,8 @@ _head_federation).
 
 Each round, alternately:
 1. Server: supervised training of the global head on its labeled set (``server_epochs`` epochs, the
-   ``train`` section's lr/momentum/batch size, gradient norm clipped to 1), then broadcast.
+   ``train`` section's lr/momentum/batch size, gradient norm clipped to 1), then broadcast. This step
+   closes the previous round (below); only round 1 starts with one of its own.
 2. Client: hard pseudo-labels from the received head on its (un-augmented) images; those with confidence
    max softmax ≥ ``threshold`` (0.95) form the "fix" set. Loss per batch = CE(head(strong view), ŷ) on a
    batch of the fix set ("fix", FixMatch-style consistency) + ``mix_weight`` · MixUp loss ("mix"): the fix
@@ -15,8 +16,13 @@ Each round, alternately:
    λ·CE(head(x̃), ŷ_fix) + (1−λ)·CE(head(x̃), ŷ_mix). ``train.epochs`` passes over the fix set; gradient
    norm clipped to 1. A client without a confident image sits the round out.
 3. Server: the plain mean of the active clients' heads (uniform weights, as the released code), applied
-   with global momentum: v ← β_g·v + (w − mean), w ← w − v (β_g = ``server_momentum``, 0.5).
-   The round is evaluated after this update (as the released code tests after ``update``).
+   with global momentum: v ← β_g·v + (w − mean), w ← w − v (β_g = ``server_momentum``, 0.5), then step 1
+   for the next round: supervised training on the labeled set. The round is evaluated after that step,
+   as the released code does (train_classifier_ssfl.py: ``server.update`` then ``train_server`` then
+   ``test``, every round), so a round's accuracy is that of the head the next round's clients receive.
+   Round 1 also starts with a supervised step before its first payload: the released code's first
+   clients get the untrained model, whose linear head on a frozen encoder gives no pseudo-label above
+   the threshold, so round 1 would be idle.
 
 Decisions forced by the frozen encoder: MixUp mixes features (the encoder is frozen and not linear, so this
 is manifold MixUp); strong views come from a bank of ``strong_views`` strongly augmented copies per image
@@ -66,14 +72,23 @@ class SemiFL(HeadFederation):
     def setup(self):
         super().setup()
         self.momentum: dict | None = None
-        self._server_trained_round = 0
+        self._warm_started = False
+
+    def server_step(self, round_: int) -> None:
+        """Step 1 of round ``round_``: supervised training of the global head on the labeled set."""
+        _, x, y = self.labeled()
+        self.head, _ = self._supervised(self.global_head(), x, y, self.server_generator(round_))
 
     def server_payload(self, round_, client_id, global_weights):
-        if self._server_trained_round != round_:  # step 1, once per round, before the first payload
-            _, x, y = self.labeled()
-            self.head, _ = self._supervised(self.global_head(), x, y, self.server_generator(round_))
-            self._server_trained_round = round_
+        if round_ == 1 and not self._warm_started:  # round 1 opens with its own step (module docstring)
+            self.server_step(1)
+            self._warm_started = True
         return super().server_payload(round_, client_id, global_weights)
+
+    def aggregate(self, round_, global_weights, uploads):
+        out = super().aggregate(round_, global_weights, uploads)
+        self.server_step(round_ + 1)  # the next round's step 1, before this round is evaluated (released code)
+        return out
 
     def _supervised(self, head, x, y, generator):
         t, p = self.run.config.train, self.params

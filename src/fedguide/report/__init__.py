@@ -1,12 +1,17 @@
-"""Reports over finished (or still running) run directories: a Markdown results table and PNG plots.
+"""Reports over finished (or still running) run directories: results tables and PNG plots.
 
     from fedguide.report import report
-    result = report([Path("runs/fedavg-s0"), Path("runs/fedavg-s1")])
+    result = report([Path("runs/sweep")], vs="fedavg", rows="method", cols="partition")
     print(result.markdown)
 """
-from fedguide.report.document import ReportResult, report
+from fedguide.report.discover import find_run_dirs
+from fedguide.report.document import ReportOptions, ReportResult, report
+from fedguide.report.paired import bootstrap_interval, paired_comparisons, paired_table
+from fedguide.report.pivot import pivot_data, pivot_table
 from fedguide.report.plots import make_plots
 from fedguide.report.runs import RunRecord, load_run
-from fedguide.report.tables import results_table
+from fedguide.report.tables import results_table, rounds_to_table
 
-__all__ = ["RunRecord", "ReportResult", "load_run", "make_plots", "report", "results_table"]
+__all__ = ["ReportOptions", "ReportResult", "RunRecord", "bootstrap_interval", "find_run_dirs", "load_run",
+           "make_plots", "paired_comparisons", "paired_table", "pivot_data", "pivot_table", "report",
+           "results_table", "rounds_to_table"]

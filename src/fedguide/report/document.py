@@ -2,17 +2,47 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
+from fedguide.core.atomic import write_text
+from fedguide.report.discover import find_run_dirs, is_run_dir
+from fedguide.report.formats import EXTENSIONS, FORMATS, render
+from fedguide.report.measures import check_metric
+from fedguide.report.paired import paired_table
+from fedguide.report.pivot import pivot_data
 from fedguide.report.plots import ACCURACY_PNG, make_plots, partition_plan
 from fedguide.report.runs import RunRecord, load_run
-from fedguide.report.tables import _cell, domain_table, results_table
+from fedguide.report.tables import _cell, domain_table, personal_table, results_data, rounds_to_table
 
 REPORT_MD = "report.md"
+
+
+@dataclass
+class ReportOptions:
+    """What a report shows beyond its defaults (``fedguide report``'s options)."""
+
+    vs: Optional[str] = None  # reference method of the paired differences
+    rows: Optional[str] = None  # pivot: the key down the rows (method, partition, dataset or a dotted key)
+    cols: Optional[str] = None  # pivot: the key across the columns
+    metric: str = "last_k"  # pivot cells: last_k, final or best
+    fmt: str = "md"  # the printed table (the pivot, else the results table): md, csv or latex
+    last_k: Optional[int] = None  # one window for every run instead of each run's own
+    rounds_to: Optional[list[float]] = None  # accuracy marks instead of those the runs recorded
+
+    def check(self) -> None:
+        check_metric(self.metric)
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown format '{self.fmt}'; choose one of {', '.join(FORMATS)}")
+        if self.cols is not None and self.rows is None:
+            raise ValueError("--cols needs --rows (e.g. --rows method --cols partition)")
+        if self.last_k is not None and (self.last_k < 2 or self.last_k % 2):
+            raise ValueError(f"--last-k {self.last_k} is not an even number >= 2 (accuracy under label skew "
+                             "oscillates with period 2, so an odd window favours one phase); write e.g. --last-k 10")
+        if self.rounds_to is not None and not all(0 < m <= 1 for m in self.rounds_to):
+            raise ValueError(f"--rounds-to {self.rounds_to}: write accuracies as fractions in (0, 1], e.g. 0.2,0.3,0.4")
 
 
 @dataclass
@@ -22,35 +52,28 @@ class ReportResult:
     plot_paths: list[Path]
     markdown: str
     runs: list[RunRecord] = field(default_factory=list)
+    table: str = ""  # the pivot (or, without one, the results table) in the format asked for
+    table_path: Optional[Path] = None  # that table as a file (pivot.md/.csv/.tex, results.csv/.tex)
+    paired: str = ""  # the --vs table (Markdown), empty without --vs
 
     @property
     def paths(self) -> list[Path]:
-        return [self.markdown_path, *self.plot_paths]
+        return [self.markdown_path, *([self.table_path] if self.table_path else []), *self.plot_paths]
 
 
-def default_out_dir(run_paths: list[Path], now: datetime | None = None) -> Path:
-    """One run: its own plots/ (the report belongs to it). Several: a fresh report-<timestamp>/
-    beside the first run, so reports over different run sets never overwrite each other."""
+def default_out_dir(run_paths: list[Path], now: datetime | None = None, given: Path | None = None) -> Path:
+    """One run: its own plots/ (the report belongs to it). Several: a fresh report-<timestamp>/ in the
+    folder ``given`` first when that is a folder of runs (a sweep's), else beside the first run, so reports
+    over different run sets never overwrite each other."""
     if len(run_paths) == 1:
         return run_paths[0] / "plots"
     stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
-    base = run_paths[0].resolve().parent / f"report-{stamp}"
+    home = given if given is not None and not is_run_dir(given) else run_paths[0].resolve().parent
+    base = home / f"report-{stamp}"
     candidate, i = base, 2
     while candidate.exists():  # two reports within the same second
         candidate, i = base.with_name(f"{base.name}-{i}"), i + 1
     return candidate
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _rel(path: Path, start: Path) -> str:
@@ -60,9 +83,14 @@ def _rel(path: Path, start: Path) -> str:
         return str(path.resolve())
 
 
-def render_markdown(runs: list[RunRecord], out_dir: Path, plots: Iterable[Path] = ()) -> str:
+def render_markdown(runs: list[RunRecord], out_dir: Path, plots: Iterable[Path] = (),
+                    options: ReportOptions | None = None, pivot: str = "", paired: str = "") -> str:
     plots = list(plots)  # read twice below
+    opts = options or ReportOptions()
     n_done = sum(r.complete for r in runs)
+    rounds_to = rounds_to_table(runs, opts.rounds_to)
+    domains = domain_table(runs, opts.last_k)
+    personal = personal_table(runs, opts.last_k)
     lines = [
         "# fedguide report",
         "",
@@ -71,8 +99,12 @@ def render_markdown(runs: list[RunRecord], out_dir: Path, plots: Iterable[Path] 
         "",
         "## Results",
         "",
-        results_table(runs),
-        *(["## Per-domain test accuracy (final round)", "", domains, ""] if (domains := domain_table(runs)) else []),
+        render(results_data(runs, opts.last_k), "md"),
+        *([f"## Paired differences against {opts.vs}", "", paired, ""] if paired else []),
+        *([f"## {opts.rows} × {opts.cols}" if opts.cols else f"## By {opts.rows}", "", pivot, ""] if pivot else []),
+        *(["## Rounds to accuracy", "", rounds_to, ""] if rounds_to else []),
+        *(["## Per-domain test accuracy (mean of the last k rounds)", "", domains, ""] if domains else []),
+        *(["## Personalised test accuracy (mean of the last k rounds)", "", personal, ""] if personal else []),
         "## Test accuracy",
         "",
         f"![test accuracy per round]({ACCURACY_PNG})",
@@ -93,6 +125,11 @@ def render_markdown(runs: list[RunRecord], out_dir: Path, plots: Iterable[Path] 
     if dw:
         lines += ["## FedDW: soft labels vs classification-layer relations", ""]
         lines += [f"![{p.stem}]({p.name})" for p in dw] + [""]
+    # The figures 'fedguide analyze' wrote into each run's analysis/ folder, where it has run.
+    analysis = [(r, p) for r in runs for p in sorted((r.path / "analysis").glob("*.png"))]
+    if analysis:
+        lines += ["## Analysis figures (fedguide analyze)", ""]
+        lines += [f"![{r.name}: {p.stem}]({_rel(p, out_dir)})" for r, p in analysis] + [""]
     lines += ["## Runs", "", "| run | method | seed | status | git commit | path |", "|---|---|---:|---|---|---|"]
     for r in runs:
         status = r.status
@@ -109,22 +146,35 @@ def render_markdown(runs: list[RunRecord], out_dir: Path, plots: Iterable[Path] 
     return "\n".join(lines) + "\n"
 
 
-def report(paths: Iterable[str | Path], out: str | Path | None = None) -> ReportResult:
-    """Load run directories, write report.md plus PNGs into ``out`` and return what was written."""
-    run_paths = [Path(p) for p in paths]
-    if not run_paths:
+def report(paths: Iterable[str | Path], out: str | Path | None = None, options: ReportOptions | None = None,
+           **kwargs) -> ReportResult:
+    """Load run folders (and the run folders below any other folder given), write report.md plus PNGs
+    into ``out`` and return what was written. ``options`` (or its fields as keyword arguments: ``vs``,
+    ``rows``, ``cols``, ``metric``, ``fmt``, ``last_k``, ``rounds_to``) add the paired differences and
+    the pivot; a pivot, or a results table in CSV or LaTeX, is also written as a file of its own."""
+    if options is not None and kwargs:
+        raise TypeError(f"report() takes options or its fields as keywords, not both (got {', '.join(kwargs)})")
+    opts = options or ReportOptions(**kwargs)
+    opts.check()
+    paths = list(paths)
+    if not paths:
         raise ValueError("report() needs at least one run directory")
-    # Dedupe so the same run passed twice (e.g. via a shell glob and by name) is not counted as two seeds.
-    unique: dict[Path, Path] = {}
-    for p in run_paths:
-        unique.setdefault(p.resolve(), p)
-    run_paths = list(unique.values())
+    run_paths = find_run_dirs(paths)
     runs = [load_run(p) for p in run_paths]
+    # Computed before anything is written: a bad --vs or --rows leaves no half-made report folder.
+    pivot = pivot_data(runs, opts.rows, opts.cols, opts.metric, opts.last_k) if opts.rows else None
+    paired = paired_table(runs, opts.vs, opts.last_k) if opts.vs else ""
 
-    out_dir = Path(out) if out is not None else default_out_dir(run_paths)
+    out_dir = Path(out) if out is not None else default_out_dir(run_paths, given=Path(paths[0]))
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_paths = make_plots(runs, out_dir)
-    markdown = render_markdown(runs, out_dir, plot_paths)
+    markdown = render_markdown(runs, out_dir, plot_paths, opts, render(pivot, "md") if pivot else "", paired)
     md_path = out_dir / REPORT_MD
-    _write_text_atomic(md_path, markdown)
-    return ReportResult(out_dir=out_dir, markdown_path=md_path, plot_paths=plot_paths, markdown=markdown, runs=runs)
+    write_text(md_path, markdown)
+    table = render(pivot if pivot is not None else results_data(runs, opts.last_k), opts.fmt)
+    table_path = None
+    if pivot is not None or opts.fmt != "md":
+        table_path = out_dir / f"{'pivot' if pivot is not None else 'results'}.{EXTENSIONS[opts.fmt]}"
+        write_text(table_path, table)
+    return ReportResult(out_dir=out_dir, markdown_path=md_path, plot_paths=plot_paths, markdown=markdown, runs=runs,
+                        table=table, table_path=table_path, paired=paired)

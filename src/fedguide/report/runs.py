@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
+from pydantic import ValidationError
+
+from fedguide.config import ReportConfig
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -168,9 +171,62 @@ class RunRecord:
         return sum(secs) if secs else None
 
     @property
+    def report_config(self) -> ReportConfig:
+        """The run's ``report:`` section; runs made before it existed get its defaults."""
+        try:
+            return ReportConfig.model_validate(self._section("report"))
+        except ValidationError as err:
+            raise ValueError(f"{self.path / CONFIG_FILE}: report section is invalid "
+                             f"({err.errors()[0]['msg'].removeprefix('Value error, ')})") from None
+
+    @property
+    def last_k(self) -> int:
+        """The window of the run's accuracy_last_k: summary.json's, else what the engine would choose for
+        the planned rounds, never more than the rounds evaluated so far."""
+        k = self._summary_get("last_k")
+        if k is not None:
+            return int(k)
+        evaluated = len(self.accuracy_series()[1])
+        return min(self.report_config.last_k_for(self.rounds_planned or evaluated), evaluated)
+
+    def accuracy_last(self, k: int | None = None) -> float | None:
+        """Mean test accuracy over the last ``k`` evaluated rounds (default: the run's own last_k); runs
+        written before summary.json carried accuracy_last_k get it from their curve."""
+        k = self.last_k if k is None else k
+        stored = self._summary_get("accuracy_last_k")
+        if stored is not None and k == self._summary_get("last_k"):
+            return float(stored)
+        return last_k_mean(self.accuracy_series()[1], k)
+
+    @property
+    def accuracy_last_k(self) -> float | None:
+        return self.accuracy_last()
+
+    @property
+    def rounds_to_marks(self) -> list[float]:
+        """The accuracy marks the run recorded (its report.rounds_to; the defaults for older runs)."""
+        recorded = self._summary_get("rounds_to_accuracy")
+        if isinstance(recorded, dict) and recorded:
+            return sorted(float(m) for m in recorded)
+        return list(self.report_config.rounds_to)
+
+    def rounds_to(self, mark: float) -> int | None:
+        """First round whose test accuracy reached ``mark``; None when no round did."""
+        rounds, acc = self.accuracy_series()
+        return next((r for r, a in zip(rounds, acc) if a >= mark), None)
+
+    @property
     def bytes_up_per_round(self) -> float | None:
         _, up = self.series("bytes_up")
         return sum(up) / len(up) if up else None
+
+
+def last_k_mean(values: list[float], k: int) -> float | None:
+    """Mean of the last ``k`` values (all of them when there are fewer); None for no values."""
+    if not values or k < 1:
+        return None
+    tail = values[-k:]
+    return sum(tail) / len(tail)
 
 
 def _is_number(v: Any) -> bool:
@@ -217,12 +273,13 @@ def load_run(path: str | Path) -> RunRecord:
     """Load one run directory; raises ValueError if ``path`` is not one."""
     path = Path(path)
     metrics_path, summary_path = path / METRICS_FILE, path / SUMMARY_FILE
-    written = (metrics_path, summary_path, path / STOPPED_FILE)
+    # config.yaml alone is a run that has not finished its first round yet: listed as incomplete.
+    written = (path / CONFIG_FILE, metrics_path, summary_path, path / STOPPED_FILE)
     if not path.is_dir() or not any(p.is_file() for p in written):
-        what = "is not a directory" if not path.is_dir() else f"has neither {METRICS_FILE} nor {SUMMARY_FILE}"
+        what = "is not a directory" if not path.is_dir() else f"has no {CONFIG_FILE}, {METRICS_FILE} or {SUMMARY_FILE}"
         raise ValueError(
             f"{path} is not a run directory: it {what} "
-            f"(expected a directory written by the engine containing {METRICS_FILE} and/or {SUMMARY_FILE})"
+            f"(pass a run folder written by fedguide, or a folder holding run folders)"
         )
 
     config: dict[str, Any] = {}

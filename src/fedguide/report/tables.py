@@ -1,4 +1,4 @@
-"""Grouping runs across seeds and rendering the Markdown results table."""
+"""Grouping runs across seeds, and the results, rounds-to-accuracy and per-domain tables."""
 from __future__ import annotations
 
 import json
@@ -9,11 +9,18 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from fedguide.config import flat_keys
+from fedguide.report.formats import Num, Stat, Table, render
+from fedguide.report.measures import common_k, values
 from fedguide.report.runs import RunRecord, _fmt_value, as_records
 
+LAST_K_FOOTNOTE = (
+    "*last-k acc* is the number to compare: the mean test accuracy over each run's last k evaluated rounds "
+    "(k even: the last 10 % of rounds rounded up, at least 2, or `report.last_k`). Under strong label skew "
+    "accuracy oscillates with period 2, so the final round alone mostly measures the phase."
+)
 BEST_FOOTNOTE = (
     "† *best acc* is the maximum test accuracy over all evaluated rounds. It is picked with the "
-    "test set, so it is optimistic; *final acc* (last round) is the number to compare."
+    "test set, so it is optimistic."
 )
 STD_FOOTNOTE = (
     "± is the sample standard deviation (ddof=1) over seeds; \"n/a\" when there is a single seed. "
@@ -76,6 +83,13 @@ class Group:
         vals = self._values("final_accuracy")
         return statistics.fmean(vals) if vals else None
 
+    def last_k(self, override: int | None = None) -> int:
+        return common_k(self.runs, override)
+
+    def last_k_mean(self, override: int | None = None) -> float | None:
+        vals = values(self.runs, "last_k", self.last_k(override))
+        return statistics.fmean(vals) if vals else None
+
 
 def _canonical(v: Any) -> str:
     return json.dumps(v, sort_keys=True, default=str)
@@ -105,13 +119,16 @@ def method_labels(runs: Iterable[RunRecord]) -> dict[int, str]:
 
 
 def _sort_key(g: Group) -> tuple:
-    m = g.final_mean
+    m = g.last_k_mean()
     missing = m is None or math.isnan(m)
     return (not g.complete, missing, -(m if not missing else 0.0), g.label, g.dataset, g.partition)
 
 
 # Config keys that say where or how a run was made, not what it computes: never a reason to split a row.
-NOT_SETTINGS = ("seed", "meta", "data.root", "guidance.rebuild", "guidance.feature_cache", "guidance.device")
+# ``report`` only condenses the curve (summary.json's accuracy_last_k, rounds_to_accuracy): training never reads it.
+# Where a run computed (train.device, data.on_device) changes its floats only by rounding, as the threads do.
+NOT_SETTINGS = ("seed", "meta", "data.root", "guidance.rebuild", "guidance.feature_cache", "guidance.device",
+                "report", "logging", "train.device", "data.on_device")
 # Keys every row already shows in a column of its own (method parameters are in the method label).
 SHOWN = ("method", "data.name", "partition", "clients.num", "train.rounds")
 
@@ -128,7 +145,7 @@ def differing_settings(runs: list[RunRecord]) -> list[str]:
 
 
 def group_runs(runs: Iterable[RunRecord]) -> list[Group]:
-    """Rows in display order: complete groups by final mean accuracy (descending), then incomplete runs.
+    """Rows in display order: complete groups by mean last-k accuracy (descending), then incomplete runs.
 
     Runs share a row when they differ in their seed alone: every other config key that differs between
     the runs (train.lr, data.fraction, ...) splits the rows and is shown. Two runs of the same seed and
@@ -164,66 +181,89 @@ def _split_repeated_seeds(g: Group) -> list[Group]:
                   repeated_seed=seeds.count(_canonical(r.seed)) > 1) for r in g.runs]
 
 
-def _pct_mean_std(vals: list[float]) -> str:
-    if not vals:
-        return "n/a"
-    mean = statistics.fmean(vals) * 100
-    std = f"{statistics.stdev(vals) * 100:.2f}" if len(vals) > 1 else "n/a"
-    return f"{mean:.2f} ± {std}"
-
-
-def _mean(vals: list[float], fmt: str) -> str:
-    return format(statistics.fmean(vals), fmt) if vals else "n/a"
-
-
 def _cell(v: Any) -> str:
     # A literal pipe would split the cell; labels come from user configs so this can happen.
     return str(v).replace("|", "\\|").replace("\n", " ")
 
 
 HEADER = [
-    "method", "dataset", "partition", "clients", "rounds", "seeds",
-    "final acc % (mean ± std)", "best acc† % (max over rounds, mean ± std)",
+    "method", "dataset", "partition", "clients", "rounds", "seeds", "last k",
+    "last-k acc % (mean ± std)", "final acc % (mean ± std)", "best acc† % (max over rounds, mean ± std)",
     "wall s (mean)", "MB up/round",
 ]
+NUMERIC_COLUMNS = {3, 4, 6, 7, 8, 9, 10, 11}
 
 
-def results_table(runs: Iterable[RunRecord | str | Path], footnotes: bool = True) -> str:
-    """Markdown table, one row per (method label, dataset, partition) group of complete runs,
-    plus one row per incomplete run."""
+def results_data(runs: Iterable[RunRecord | str | Path], last_k: int | None = None) -> Table:
+    """One row per group of complete runs that differ only in their seed, plus one row per incomplete run;
+    the config keys that tell rows apart follow as columns."""
     runs = as_records(runs)
     groups = group_runs(runs)
     extra = list(groups[0].settings) if groups else []  # the keys that tell rows apart, one column each
-    lines = ["| " + " | ".join(HEADER + extra) + " |",
-             "|" + "|".join(["---"] * 3 + ["---:"] * 7 + ["---"] * len(extra)) + "|"]
+    table = Table(HEADER + extra, numeric=set(NUMERIC_COLUMNS),
+                  csv_names={7: ("last-k acc % mean", "last-k acc % std"), 8: ("final acc % mean", "final acc % std"),
+                             9: ("best acc % mean", "best acc % std")})
     for g in groups:
+        k = g.last_k(last_k)
         up = [v / 1e6 for v in g._values("bytes_up_per_round")]
-        cells = [
-            g.row_label, g.dataset, g.partition,
-            "n/a" if g.clients is None else g.clients,
-            "n/a" if g.rounds is None else g.rounds,
-            ", ".join(str(s) for s in g.seeds),
-            _pct_mean_std(g._values("final_accuracy")),
-            _pct_mean_std(g._values("best_accuracy")),
-            _mean(g._values("wall_seconds"), ".1f"),
-            _mean(up, ".3f"),
-            *(g.settings[k] for k in extra),
-        ]
+        wall = g._values("wall_seconds")
+        table.rows.append([
+            g.row_label, g.dataset, g.partition, g.clients, g.rounds,
+            ", ".join(str(s) for s in g.seeds), k,
+            Stat(values(g.runs, "last_k", k)), Stat(values(g.runs, "final", k)), Stat(values(g.runs, "best", k)),
+            Num(statistics.fmean(wall) if wall else None, ".1f"), Num(statistics.fmean(up) if up else None, ".3f"),
+            *(g.settings[c] for c in extra),
+        ])
+    table.notes = [LAST_K_FOOTNOTE, BEST_FOOTNOTE, STD_FOOTNOTE]
+    if any(g.repeated_seed for g in groups):
+        table.notes.append(REPEATED_SEED_FOOTNOTE)
+    if any(not r.complete for r in runs):
+        table.notes.append(INCOMPLETE_FOOTNOTE)
+    return table
+
+
+def results_table(runs: Iterable[RunRecord | str | Path], footnotes: bool = True, fmt: str = "md",
+                  last_k: int | None = None) -> str:
+    """The results table as Markdown (with footnotes unless ``footnotes`` is False), CSV or LaTeX."""
+    table = results_data(runs, last_k)
+    if not footnotes:
+        table.notes = []
+    return render(table, fmt)
+
+
+ROUNDS_TO_FOOTNOTE = (
+    "Rounds to X %: the first round whose test accuracy reached X %, mean over the seeds that reached it; "
+    "\"(r/n)\" when only r of the n seeds did, \"—\" when none did within its rounds."
+)
+
+
+def rounds_to_table(runs: Iterable[RunRecord | str | Path], marks: list[float] | None = None) -> str:
+    """Markdown table of rounds to each accuracy mark (FedDifRC Table 12), one row per group of complete
+    runs; the marks are ``marks`` or those the runs recorded (``report.rounds_to``)."""
+    groups = [g for g in group_runs(as_records(runs)) if g.complete]
+    if not groups:
+        return ""
+    if marks is None:
+        marks = sorted({m for g in groups for r in g.runs for m in r.rounds_to_marks})
+    lines = ["| method | dataset | partition | " + " | ".join(f"rounds to {m * 100:g} %" for m in marks) + " |",
+             "|---|---|---|" + "---:|" * len(marks)]
+    for g in groups:
+        cells = [g.label, g.dataset, g.partition]
+        for m in marks:
+            reached = [r for r in (run.rounds_to(m) for run in g.runs) if r is not None]
+            if not reached:
+                cells.append("—")
+                continue
+            text = f"{statistics.fmean(reached):g}"
+            cells.append(text if len(reached) == len(g.runs) else f"{text} ({len(reached)}/{len(g.runs)})")
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-    text = "\n".join(lines) + "\n"
-    if footnotes:
-        notes = [BEST_FOOTNOTE, STD_FOOTNOTE]
-        if any(g.repeated_seed for g in groups):
-            notes.append(REPEATED_SEED_FOOTNOTE)
-        if any(not r.complete for r in runs):
-            notes.append(INCOMPLETE_FOOTNOTE)
-        text += "\n" + "\n\n".join(notes) + "\n"
-    return text
+    return "\n".join(lines) + "\n\n" + ROUNDS_TO_FOOTNOTE + "\n"
 
 
-def domain_table(runs: Iterable[RunRecord | str | Path]) -> str:
-    """Markdown table of final per-domain test accuracy (mean ± std over seeds), one row per group of
-    complete runs that report it; empty when no run has domains."""
+def domain_table(runs: Iterable[RunRecord | str | Path], last_k: int | None = None) -> str:
+    """Markdown table of per-domain test accuracy over the last k rounds (metrics.jsonl's per-round
+    domain_accuracy), mean ± std over seeds, one row per group of complete runs that report domains; empty
+    when no run has domains."""
     groups = [g for g in group_runs(as_records(runs))
               if g.complete and all("domain_accuracy" in (r.summary or {}) for r in g.runs)]
     if not groups:
@@ -232,12 +272,63 @@ def domain_table(runs: Iterable[RunRecord | str | Path]) -> str:
     for g in groups:
         for r in g.runs:
             domains += [d for d in r.summary["domain_accuracy"] if d not in domains]
-    lines = ["| method | partition | " + " | ".join(_cell(d) for d in domains) + " |",
-             "|---|---|" + "---:|" * len(domains)]
+    table = Table(["method", "partition", "last k", *domains], numeric=set(range(2, 3 + len(domains))))
     for g in groups:
-        cells = [g.label, g.partition]
+        k = g.last_k(last_k)
+        cells: list[Any] = [g.label, g.partition, k]
         for d in domains:
-            cells.append(_pct_mean_std([r.summary["domain_accuracy"][d] for r in g.runs
-                                        if d in r.summary["domain_accuracy"]]))
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+            cells.append(Stat(values(g.runs, "last_k", k, f"domain_accuracy.{d}")))
+        table.rows.append(cells)
+    return render(table, "md")
+
+
+PERSONAL_FOOTNOTE = (
+    "Personalised evaluation (eval.mode personal or both): each client's model after the method's personalisation "
+    "step, scored on the client's own test split. *personal acc* pools every client's test samples; *min* is the "
+    "worst client, *bottom 10 %* the mean of the worst tenth; each is the mean over the last k evaluated rounds, "
+    "then mean ± std over seeds."
+)
+PERSONAL_KEYS = (("personal acc", "personal_accuracy"), ("min", "personal_accuracy_min"),
+                 ("bottom 10 %", "personal_accuracy_bottom10"))
+
+
+def personal_table(runs: Iterable[RunRecord | str | Path], last_k: int | None = None) -> str:
+    """Markdown table of the personalised metrics (metrics.jsonl's personal_accuracy, its minimum and bottom-10 %
+    over clients), one row per group of complete runs that recorded them; empty when none did."""
+    groups = [g for g in group_runs(as_records(runs))
+              if g.complete and all(r.series("personal_accuracy")[1] for r in g.runs)]
+    if not groups:
+        return ""
+    table = Table(["method", "partition", "last k", *(name for name, _ in PERSONAL_KEYS)],
+                  numeric=set(range(2, 3 + len(PERSONAL_KEYS))))
+    for g in groups:
+        k = g.last_k(last_k)
+        table.rows.append([g.label, g.partition, k, *(Stat(values(g.runs, "last_k", k, key)) for _, key in PERSONAL_KEYS)])
+    return render(table, "md") + "\n" + PERSONAL_FOOTNOTE + "\n"
+
+
+# Names that stand for a label rather than one config key, and the config keys each label covers.
+LABELLED = {"method": ("method",), "partition": ("partition",), "dataset": ("data.name",)}
+
+
+def setting_value(run: RunRecord, key: str, method_label: str | None = None) -> str:
+    """A run's value of ``key``: a dotted config key, or method/partition/dataset as the tables label them."""
+    if key == "method":
+        return method_label or run.method
+    if key == "partition":
+        return run.partition_label
+    if key == "dataset":
+        return run.dataset
+    flat = flat_keys(run.config)
+    return _fmt_value(flat[key]) if key in flat else "unset"
+
+
+def describe_settings(run: RunRecord, keys: Iterable[str], method_label: str | None = None) -> list[str]:
+    """"key=value" for each key, the keys of a method, partition or dataset as that one label."""
+    parts: list[str] = []
+    for key in keys:
+        name = next((a for a, prefixes in LABELLED.items() if _under(key, prefixes)), key)
+        part = f"{name}={setting_value(run, name, method_label)}"
+        if part not in parts:
+            parts.append(part)
+    return parts

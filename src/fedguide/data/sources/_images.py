@@ -140,7 +140,7 @@ def normalise(images_uint8: torch.Tensor, mean: Stat, std: Stat) -> torch.Tensor
 
 def to_splits(raw: RawImages, mean: Stat, std: Stat) -> DatasetSplits:
     return DatasetSplits(normalise(raw.train_x, mean, std), raw.train_y,
-                         normalise(raw.test_x, mean, std), raw.test_y, raw.class_names)
+                         normalise(raw.test_x, mean, std), raw.test_y, raw.class_names, pixel_stats=(mean, std))
 
 
 # ---- image-file datasets: parameters, samples, the seeded split ----------------------------------
@@ -273,4 +273,5 @@ def build_splits(samples: list[Sample], class_names: list[str], domain_names: Op
         if domain_names is not None:
             out[f"{side}_domains"] = torch.tensor([domain_id[s.domain] for s in chosen], dtype=torch.int64)
     return DatasetSplits(class_names=list(class_names),
-                         domain_names=list(domain_names) if domain_names is not None else None, **out)
+                         domain_names=list(domain_names) if domain_names is not None else None,
+                         pixel_stats=(tuple(params.mean), tuple(params.std)), **out)

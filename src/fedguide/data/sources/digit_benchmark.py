@@ -86,4 +86,5 @@ def load_digit_benchmark(params: DigitBenchmarkParams) -> DatasetSplits:
         train_domains=domain_ids([len(r.train_y) for r in raws]),
         test_domains=domain_ids([len(r.test_y) for r in raws]),
         domain_names=list(params.domains),
+        pixel_stats=(MEAN, STD),
     )

@@ -138,8 +138,9 @@ def results_in_job_order(round_: int, client_ids: list[int], client_of_node: dic
 
 # ---- server side --------------------------------------------------------------------------------
 class FlowerClients(Executor):
-    def __init__(self, actors: int, threads: int, run_dir: Path, num_clients: int):
+    def __init__(self, actors: int, threads: int, run_dir: Path, num_clients: int, gpus_per_client: float = 0.0):
         _import_flower()
+        self.gpus_per_client = gpus_per_client
         self.run_dir = Path(run_dir).resolve()
         self.num_clients = num_clients
         self.actors, self.threads = actors, threads  # fl/runtimes/flower_sim.py: actors_and_threads
@@ -167,7 +168,8 @@ class FlowerClients(Executor):
         t0 = time.perf_counter()
         before = descendants(os.getpid())
         os.environ["FLWR_HOME"] = str(self._tmp / "flwr_home")  # Flower writes nothing outside the run
-        ray.init(num_cpus=self.actors, include_dashboard=False, _temp_dir=str(self._tmp / "ray"),
+        gpus = {"num_gpus": torch.cuda.device_count()} if self.gpus_per_client > 0 else {}
+        ray.init(num_cpus=self.actors, **gpus, include_dashboard=False, _temp_dir=str(self._tmp / "ray"),
                  logging_level="WARNING", log_to_driver=False, configure_logging=False)
         self._ray_started = True
         self.ray_pids = descendants(os.getpid()) - before
@@ -208,7 +210,8 @@ class FlowerClients(Executor):
             flwr_log.addFilter(_DropDeprecation())
         try:
             run_simulation(server_app=server, client_app=client, num_supernodes=self.num_clients,
-                           backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+                           backend_config={"client_resources": {"num_cpus": 1,
+                                                                "num_gpus": float(self.gpus_per_client)}})
         except BaseException as err:  # reported to the caller's thread
             self._errors.append(err)
         finally:

@@ -73,6 +73,8 @@ class Runtime:
     """A registered runtime; subclasses set ``Params`` and implement ``resources`` and ``start``."""
 
     Params: ClassVar[type[BaseModel]] = NoParams
+    # Optional install layers this runtime needs (pyproject extras), checked when a config is resolved.
+    extras: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params: BaseModel):
         self.params = params

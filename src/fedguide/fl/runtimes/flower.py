@@ -188,6 +188,7 @@ def flower_params(cfg) -> FlowerParams:
 @RUNTIMES.register("flower", summary="a Flower deployment: 'fedguide serve' and one 'fedguide client' per client")
 class Deployment(Runtime):
     Params = FlowerParams
+    extras = ("flower",)
 
     def __init__(self, params: FlowerParams, grid=None):
         super().__init__(params)

@@ -17,15 +17,22 @@ class FlowerSimParams(BaseModel):
         1, description="Ray actors training the clients; above 1 = that many, else one per core "
                        "(at most the clients of a round)")
     threads_per_worker: Optional[int] = Field(None, ge=1, description="torch threads per actor; null = 1")
+    gpus_per_client: Optional[float] = Field(
+        None, ge=0.0, le=1.0, description="share of a GPU each actor reserves (Ray's num_gpus); null = 1/actors "
+                                          "when train.device is a GPU (the actors share it), else 0")
 
 
 @RUNTIMES.register("flower-sim", summary="clients as virtual SuperNodes of Flower's simulation engine "
                                          "(pip install 'flwr[simulation]')")
 class FlowerSim(Runtime):
     Params = FlowerSimParams
+    extras = ("flower",)
 
     def resources(self, clients_per_round: int, num_params: int) -> tuple[int, int]:
         return actors_and_threads(self.params, clients_per_round)
 
     def start(self, run: RunHandle) -> Executor:
-        return FlowerClients(run.workers, run.threads, run.run_dir, run.ctx.num_clients)
+        gpus = self.params.gpus_per_client
+        if gpus is None:
+            gpus = 1.0 / run.workers if run.ctx.device.type == "cuda" else 0.0
+        return FlowerClients(run.workers, run.threads, run.run_dir, run.ctx.num_clients, gpus)

@@ -16,6 +16,7 @@ import queue
 import signal
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -23,6 +24,7 @@ import torch
 import torch.multiprocessing as mp
 from pydantic import BaseModel, ConfigDict, Field
 
+from fedguide.core.device import to_cpu
 from fedguide.core.records import Record
 from fedguide.fl.client_step import ClientResult, run_client
 from fedguide.fl.runtimes.base import DEFAULT_THREADS, RUNTIMES, Executor, RunHandle, Runtime, WorkerCrashed
@@ -88,7 +90,9 @@ def _worker(weights: torch.Tensor, tasks, results, parent: int, ready) -> None:
         payload = {k: (weights if isinstance(v, str) and v == GLOBAL else v) for k, v in payload.items()}
         try:
             res = run_client(ctx, method, cfg.train, cfg.seed, round_, client_id, payload)
-            results.put(("ok", client_id, res))
+            # Through the queue on the CPU: the server may compute elsewhere, and CUDA tensors shared across
+            # processes would tie this worker's memory to the server's lifetime of the message.
+            results.put(("ok", client_id, replace(res, upload=to_cpu(res.upload))))
         except FloatingPointError as err:  # a diverged client is the run's settings, not a crash
             results.put(("diverged", client_id, str(err)))
         except BaseException as err:  # report, with the client, instead of dying silently

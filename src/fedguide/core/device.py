@@ -1,0 +1,106 @@
+"""Where a run computes: the device named by ``train.device``, its precision, and moving records to it.
+
+Everything that leaves a process or reaches the disk (uploads sent by a worker, checkpoints, client
+state, ``model.safetensors``) is on the CPU, so a run started on a GPU resumes on a CPU and the other
+way round; everything a process computes with (the model, the global weights, payloads, client state
+in use) is moved to the run's device once, where it enters the process.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from typing import Any, Iterator
+
+import torch
+
+from fedguide.registry import ConfigError
+
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# cuBLAS needs a fixed workspace to give the same sums twice (PyTorch's reproducibility notes).
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def resolve_device(spec: str, what: str = "train.device") -> torch.device:
+    """``auto`` -> cuda when available, else cpu; an explicit device that this machine lacks is a
+    sentence naming ``auto``/``cpu``, not a CUDA error at the first kernel."""
+    if not DEVICE_PATTERN.match(spec):
+        raise ConfigError(f"{what}: {spec!r} is not a device; write auto, cpu, cuda or cuda:N")
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{what}: {spec} was asked for but this machine has no usable CUDA device "
+                              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
+                              f"write {what.split('.')[-1]}: auto (cuda when present, else cpu) or cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"{what}: {spec} does not exist; this machine has {count} CUDA device"
+                              f"{'s' if count != 1 else ''} (cuda:0{f' .. cuda:{count - 1}' if count > 1 else ''})")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ConfigError(f"{what}: mps was asked for but this machine has no MPS device; write auto or cpu")
+    return device
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"train.precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if precision == "fp16" and device.type == "cpu":
+        raise ConfigError("train.precision: fp16 needs a GPU (CPU autocast computes in bfloat16); "
+                          "write bf16 or fp32 on a CPU")
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """Mixed precision for a forward pass (``fp32``: nothing changes)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=PRECISIONS[precision])
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """A record (tensors in dicts, lists, tuples) with every tensor on ``device``; no copy where it is
+    there already."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def to_cpu(value: Any) -> Any:
+    return to_device(value, torch.device("cpu"))
+
+
+@contextlib.contextmanager
+def deterministic(enabled: bool) -> Iterator[None]:
+    """PyTorch's deterministic algorithms (and cuBLAS's fixed workspace) while the block runs; the
+    previous settings come back after it, so one deterministic run does not change the next."""
+    if not enabled:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
+              torch.backends.cudnn.deterministic, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[1], before[2]
+        if before[3] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Free memory on a CUDA device (None elsewhere: host memory is not checked here)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)

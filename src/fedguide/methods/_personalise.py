@@ -1,0 +1,115 @@
+"""Pieces the personalised-FL methods share: which part of a SplitModel trains (``frozen``), the flat-vector
+ranges of a model's body, head and top layers, and fine-tuning a weight vector on one client's training data
+(the default personalisation step of ``eval.mode: personal``)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Literal
+
+import torch
+import torch.nn.functional as F
+
+from fedguide.core.evaluation import mean_metrics
+from fedguide.core.seeding import torch_generator
+from fedguide.core.training import train_local
+from fedguide.core.weights import WeightLayout
+from fedguide.methods.context import ClientContext, RunContext
+from fedguide.registry import ConfigError
+
+Part = Literal["full", "head", "body"]
+
+
+@contextlib.contextmanager
+def frozen(model: torch.nn.Module, part: str) -> Iterator[None]:
+    """Within the block, the parameters of ``part`` ('head': ``model.head``; 'body': ``model.encoder``; 'none')
+    take no gradient, so no optimiser (weight decay and momentum included) moves them."""
+    module = {"head": getattr(model, "head", None), "body": getattr(model, "encoder", None), "none": None}[part]
+    params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def head_span(layout: WeightLayout) -> slice:
+    """The classification layer's range of the flat vector (SplitModel puts it last)."""
+    span = layout.span("head.")
+    if span.stop != layout.numel:
+        raise ValueError("the head is not at the end of the weight vector")
+    return span
+
+
+def top_layers_start(layout: WeightLayout, model: torch.nn.Module, layers: int, key: str) -> int:
+    """Where the top ``layers`` layers (modules owning parameters, counted from the output: the classification
+    layer, then the mapping layers, ...) begin in the flat vector; they run to its end."""
+    owners = {name.rsplit(".", 1)[0] for name, _ in model.named_parameters()}
+    modules, offsets, offset = [], {}, 0
+    for name, shape in zip(layout.names, layout.shapes):
+        module = name.rsplit(".", 1)[0]
+        if module in owners and module not in offsets:
+            modules.append(module)
+            offsets[module] = offset
+        offset += int(torch.Size(shape).numel())
+    if not 1 <= layers < len(modules):
+        raise ConfigError(f"method.{key}: {layers} of the model's {len(modules)} layers would leave no shared layer; "
+                          f"write a number from 1 to {len(modules) - 1}")
+    return offsets[modules[-layers]]
+
+
+class _CrossEntropy:
+    """The local loop's hooks for plain cross-entropy (fine-tuning ignores the method's own objective)."""
+
+    def begin_local(self, model: Any, ctx: Any) -> None:
+        pass
+
+    def local_loss(self, model: Any, x: torch.Tensor, y: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    def after_backward(self, model: Any, ctx: Any) -> None:
+        pass
+
+
+def fine_tune(run: RunContext, client_id: int, round_: int, weights: torch.Tensor, train: Any,
+              part: Part = "full") -> torch.Tensor:
+    """``weights`` after cross-entropy training on client ``client_id``'s training data with ``train``'s
+    settings (epochs, or local_steps steps), only ``part`` trainable. Batch order is drawn from
+    (seed, "personal", round, client) and the process's random state is left as it was, so scoring clients
+    changes nothing in the run."""
+    model = run.model
+    run.layout.load(model, weights.to(run.device))
+    ctx = ClientContext(client_id, round_, run.data.client(client_id), {}, {},
+                        generator=torch_generator(run.config.seed, "personal", round_, client_id),
+                        device_data=run.device_data)
+    keep = {"full": "none", "head": "body", "body": "head"}[part]
+    with torch.random.fork_rng(devices=[]), frozen(model, keep):
+        train_local(model, _CrossEntropy(), ctx, train, ctx.generator)
+    model.eval()
+    return run.layout.flatten(model)
+
+
+def batch_stream(indices: torch.Tensor, batch_size: int, generator: torch.Generator, min_size: int = 1
+                 ) -> Iterator[torch.Tensor]:
+    """Endless batches of ``indices``: one shuffled pass after another, the last batch of a pass short, and
+    skipped when under ``min_size`` (BatchNorm cannot normalise a single sample) unless it is the whole pass."""
+    while True:
+        order = indices[torch.randperm(len(indices), generator=generator)]
+        for start in range(0, len(order), batch_size):
+            batch = order[start: start + batch_size]
+            if len(batch) >= min_size or start == 0:
+                yield batch
+
+
+def batch_at(ctx: ClientContext, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) of the client's training samples ``idx`` (host indices), where the run computes."""
+    if ctx.device_data is None:
+        return ctx.data.x[idx], ctx.data.y[idx]
+    return ctx.device_data.train_batch(ctx.device_data.indices(idx))
+
+
+def mean_client_metrics(run: RunContext, model_of: Callable[[int], torch.Tensor]) -> dict[str, Any]:
+    """The mean over all clients of their models' metrics on the global test set (``local``'s report and FedDW's
+    global test of personalised methods), with the spread (``client_accuracy_min``/``max``)."""
+    return mean_metrics([run.evaluator.evaluate(model_of(cid)) for cid in range(run.num_clients)])

@@ -1,0 +1,77 @@
+"""Targets of the L2 alignment to Stable Diffusion's features (FedRCL's † variant in FedDifRC's Table 6:
+"align SD features (the image is fed directly into the SD model) by L2 loss").
+
+The feature of a training image x: its VAE latent, not noised (t = 0: the image as it is), one UNet pass
+with the empty prompt, global average pooling of the output of every UNet block (down.0-3, mid, up.0-3,
+SemanticFL's layer set), concatenated: e(x) ∈ R^D. The target of z is P e(x), P a fixed, seeded Gaussian
+map from D to z's dims (/√D, never trained), and the term is align_features' ‖ẑ − (P e)^‖² of the
+L2-normalised vectors (batch mean): the same alignment as FedDifRC's Table 8 rows, with the diffusion
+model as the encoder.
+
+Decisions (the paper gives no more than the sentence above): t = 0 and the empty prompt (the image "fed
+directly", no text), every block pooled, the fixed map P and the normalised L2 of align_features (whose
+docstring measures why the raw form fails on a ReLU z). e(x) does not depend on the model being trained:
+computed once on the server before round 1 for every sample a client trains on and cached in the feature
+store. Generated images (FedRCL ◇+†) have no cached feature: the term covers a batch's real samples.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+ALL_BLOCKS = ("down.0", "down.1", "down.2", "down.3", "mid", "up.0", "up.1", "up.2", "up.3")
+
+
+class SDFeatureTargets:
+    def __init__(self, run, seed: int = 0, extract_batch: int = 32, layers=ALL_BLOCKS):
+        from fedguide.methods._diffusion_features import input_size
+
+        self.run, self.seed, self.extract_batch, self.layers = run, seed, extract_batch, tuple(layers)
+        self.image_size: Optional[int] = input_size(run, "paper", None)  # the data's own (fedguide's models: theirs)
+        self.map: Optional[torch.Tensor] = None
+
+    def setup(self) -> dict:
+        """Extracts (or finds in the cache) every training sample's pooled UNet features; returns the record."""
+        from fedguide.guidance.features import DiffusionFeatures, FeatureSpec
+        from fedguide.guidance.fused import spatial_pool
+        from fedguide.guidance.shared import feature_store, guidance_model
+        from fedguide.guidance.store import FeatureKey
+        from fedguide.methods._diffusion_features import (RowLookup, cached_features, data_recipe, digest,
+                                                          guidance_images, loaded_input_size, prompt_maps, timed,
+                                                          training_rows)
+
+        run, cfg = self.run, self.run.config
+        model = guidance_model(cfg.guidance)
+        if self.image_size is None:
+            self.image_size = loaded_input_size(run, "paper", None)
+        feats = DiffusionFeatures(model, FeatureSpec(self.layers, t=0, noise_seed=self.seed,
+                                                     extra={"role": "sd_alignment"}, image_size=self.image_size))
+        tokens = model.encode_text(("",)).tokens
+        rows = training_rows(run)
+        self._rows = RowLookup(rows)
+
+        def pooled(b: np.ndarray) -> torch.Tensor:
+            maps = prompt_maps(feats, guidance_images(run, b), b, tokens, torch.zeros(len(b), 1, dtype=torch.long))
+            return torch.cat([spatial_pool(maps[layer], "mean") for layer in self.layers], dim=1).float().cpu()
+
+        key = FeatureKey(model=model.model_id, dataset=cfg.data.name, split="train", fraction=cfg.data.fraction,
+                         seed=self.seed, recipe={"spec": feats.spec.as_dict(), "pooling": "mean", "prompt": "",
+                                                 "data": data_recipe(cfg), "samples": digest(rows),
+                                                 "num_samples": int(len(rows))})
+        store = feature_store(cfg.guidance)
+        self.features, seconds = timed(lambda: cached_features(store, key, rows, pooled, self.extract_batch,
+                                                               cfg.guidance.rebuild, "SD features (FedRCL †)"))
+        width, z_dim = int(self.features.shape[1]), int(run.model.feature_dim)
+        self.map = torch.randn(z_dim, width, generator=torch.Generator().manual_seed(self.seed)) / width ** 0.5
+        return {"folder": str(store.path(key)), "seconds": round(seconds, 3), "shape": list(self.features.shape),
+                "layers": list(self.layers), "image_size": self.image_size}
+
+    def targets(self, batch_indices, like: torch.Tensor) -> torch.Tensor:
+        """P e(x) [B, z dim] of the batch's samples (global indices), on ``like``'s device and dtype."""
+        from fedguide.methods._diffusion_features import lookup
+
+        e = lookup(self.features, self._rows(batch_indices)).to(like.device, like.dtype)
+        self.map = self.map.to(like.device, like.dtype)
+        return e @ self.map.T

@@ -1,0 +1,56 @@
+"""Methods that federate the lower part of the model and keep its top on each client (FedRep, FedPer).
+
+The flat weight vector splits at ``personal_start``: the shared part [0, start) travels and is averaged, the
+personal part [start, end) (the classification layer, or the top layers) never leaves the client. A client
+keeps its personal part in its disk state (``personal``); one that has not trained yet starts from the run's
+seeded initial values, as every client's model does in round 1. The server's global vector carries the
+averaged shared part and the untouched initial personal part (what ``model.safetensors`` holds).
+
+Global accuracy (FedDW, Sec. V-B: personalised methods "do not share their backbone network with the
+server", so the server has no model of its own to test): the mean over all clients of the accuracy of their
+personalised models (the global shared part with their own personal part) on the global test set, as
+``local`` reports it, with ``client_accuracy_min``/``max``. Personalised accuracy: the same models on the
+clients' own test splits.
+"""
+from __future__ import annotations
+
+import torch
+
+from fedguide.core.aggregation import sample_weighted_average
+from fedguide.methods._personalise import mean_client_metrics
+from fedguide.methods.base import Method
+
+
+class SplitFederation(Method):
+    def personal_start(self) -> int:
+        """Where the personal part begins in the flat weight vector."""
+        raise NotImplementedError
+
+    def server_payload(self, round_, client_id, global_weights):
+        return {"shared": global_weights[: self.personal_start()]}
+
+    def own_part(self, state: dict) -> torch.Tensor:
+        """The client's personal part: from its state, else the initial one."""
+        part = state.get("personal")
+        return self.run.initial_weights[self.personal_start():] if part is None else part.to(self.run.device)
+
+    def client_start(self, ctx):
+        return torch.cat([ctx.payload["shared"], self.own_part(ctx.state)])
+
+    def client_upload(self, model, ctx):
+        flat, start = self.run.layout.flatten(model), self.personal_start()
+        ctx.update_state(personal=flat[start:])
+        return {"shared": flat[:start], "num_samples": len(ctx.data)}
+
+    def aggregate(self, round_, global_weights, uploads):
+        out = global_weights.clone()
+        out[: self.personal_start()] = sample_weighted_average([u["shared"] for u in uploads],
+                                                               [u["num_samples"] for u in uploads])
+        return out
+
+    def personal_model(self, round_, client_id, global_weights):
+        return torch.cat([global_weights[: self.personal_start()],
+                          self.own_part(self.run.store.get(client_id, round_))])
+
+    def evaluate(self, round_, global_weights):
+        return mean_client_metrics(self.run, lambda cid: self.personal_model(round_, cid, global_weights))

@@ -1,0 +1,42 @@
+"""FedPer (Arivazhagan, Aggarwal, Singh & Choudhary, 2019, "Federated Learning with Personalization Layers").
+
+The network is base layers W_B followed by K_P personalisation layers W_P. Each chosen client trains base
+and personalisation layers together (e epochs of SGD on its data: the run's local loop), sends W_B only, and
+the server averages the bases weighted by the clients' sample counts (W_B ← Σ_j n_j/n · W_B,j); the
+personalisation layers stay on their client (its disk state) and never travel.
+
+Defaults and decisions:
+- ``personal_layers`` K_P = 1: the classification layer alone (the paper varies K_P; PFLlib's FedPer, a common
+  reference implementation, keeps the head). A "layer" is a module owning parameters, counted from the
+  output: K_P = 2 adds the last FC mapping layer (``model: {mapping: [...]}``), and so on; buffers in that
+  range (batch statistics) are personal too.
+- A client that has not trained yet starts from the run's seeded initial personalisation layers.
+- Global accuracy (FedDW's protocol): the mean over all clients of their personalised models (the global
+  base with their own personalisation layers) on the global test set; see ``_split_federation``.
+  ``model.safetensors`` holds the averaged base with the initial personalisation layers.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedguide.methods._personalise import top_layers_start
+from fedguide.methods._split_federation import SplitFederation
+from fedguide.methods.base import METHODS
+
+
+class FedPerParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    personal_layers: int = Field(1, ge=1, description="K_P: the top layers kept on each client (1 = the "
+                                                      "classification layer)")
+
+
+@METHODS.register("fedper", params=FedPerParams)
+class FedPer(SplitFederation):
+    """FedPer: base layers averaged, the top personal_layers layers kept on each client."""
+
+    def setup(self) -> None:
+        self._start = top_layers_start(self.run.layout, self.run.model, self.params.personal_layers,
+                                       "personal_layers")
+
+    def personal_start(self) -> int:
+        return self._start

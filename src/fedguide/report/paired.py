@@ -1,0 +1,180 @@
+"""``--vs METHOD``: each method against a reference method, seed by seed.
+
+A seed fixes the partition, the initial weights and the clients sampled each round, so two methods' runs
+of one seed share much of their luck; their difference removes that shared part, and the spread of the
+per-seed differences is what a comparison should be judged by. Runs pair when they have the same seed
+and every other setting the same (the method and its regularisers aside).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from fedguide.config import flat_keys
+from fedguide.report.measures import common_k
+from fedguide.report.runs import RunRecord, as_records
+from fedguide.report.tables import NOT_SETTINGS, _cell, _under, describe_settings, differing_settings, method_labels
+
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0
+# What "the method" covers when pairing: its own keys and the regularisers composed with it ("+dw").
+METHOD_KEYS = ("method", "regularizers")
+
+
+def bootstrap_interval(diffs: Iterable[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED,
+                       level: float = 0.95) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of the mean of ``diffs``: resample the differences with replacement
+    ``resamples`` times (numpy, seeded: the same numbers give the same interval); None for fewer than 2."""
+    d = np.asarray(list(diffs), dtype=float)
+    if d.size < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
+    lo, hi = np.percentile(means, [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
+
+
+@dataclass
+class Comparison:
+    """One method (at one set of other settings) against the reference's runs of the same settings."""
+
+    method: str
+    settings: list[str]
+    k: int
+    seeds: list = field(default_factory=list)  # the paired seeds, in order
+    last_k: list[float] = field(default_factory=list)  # per paired seed: method - reference (fractions)
+    final: list[float] = field(default_factory=list)
+    unpaired: list[str] = field(default_factory=list)  # "seed 2: no fedavg run", ...
+
+    @staticmethod
+    def _mean(d: list[float]) -> float | None:
+        return statistics.fmean(d) if d else None
+
+    @property
+    def mean_last_k(self) -> float | None:
+        return self._mean(self.last_k)
+
+    @property
+    def mean_final(self) -> float | None:
+        return self._mean(self.final)
+
+    @property
+    def interval_last_k(self) -> tuple[float, float] | None:
+        return bootstrap_interval(self.last_k)
+
+    @property
+    def interval_final(self) -> tuple[float, float] | None:
+        return bootstrap_interval(self.final)
+
+
+def _pairing_key(run: RunRecord) -> str:
+    """Every setting but the seed and the method: runs of two methods pair when these agree."""
+    flat = {k: v for k, v in flat_keys(run.config).items() if not _under(k, NOT_SETTINGS + METHOD_KEYS)}
+    return json.dumps(flat, sort_keys=True, default=str)
+
+
+def _reference(runs: list[RunRecord], labels: dict[int, str], vs: str) -> list[RunRecord]:
+    """The reference's runs: those labelled ``vs`` (fedprox(mu=0.1)), else those of method ``vs``."""
+    refs = [r for r in runs if labels[id(r)] == vs] or [r for r in runs if r.method == vs]
+    if not refs:
+        names = ", ".join(sorted({labels[id(r)] for r in runs}))
+        raise ValueError(f"--vs {vs}: no complete run of that method; the runs hold {names or 'no complete run'}")
+    found = sorted({labels[id(r)] for r in refs})
+    if len(found) > 1:
+        raise ValueError(f"--vs {vs} names {len(found)} settings of the method ({', '.join(found)}); "
+                         f"name one of them, e.g. --vs '{found[0]}'")
+    return refs
+
+
+def _by_seed(runs: list[RunRecord]) -> dict[str, list[RunRecord]]:
+    out: dict[str, list[RunRecord]] = {}
+    for r in runs:
+        out.setdefault(json.dumps(r.seed, default=str), []).append(r)
+    return out
+
+
+def paired_comparisons(runs: Iterable[RunRecord | str | Path], vs: str, last_k: int | None = None) -> list[Comparison]:
+    """Per-seed differences (accuracy_last_k and final) of every other method against ``vs``; complete runs
+    only. A seed without a partner, or repeated on either side, is named in ``unpaired`` and not used."""
+    complete = [r for r in as_records(runs) if r.complete]
+    labels = method_labels(complete)
+    refs = _reference(complete, labels, vs)
+    ref_label = labels[id(refs[0])]
+    ref_by_key: dict[str, list[RunRecord]] = {}
+    for r in refs:
+        ref_by_key.setdefault(_pairing_key(r), []).append(r)
+    shown = [k for k in differing_settings(complete) if not _under(k, METHOD_KEYS)]
+
+    rows: dict[tuple[str, str], list[RunRecord]] = {}
+    for r in complete:
+        if labels[id(r)] != ref_label:
+            rows.setdefault((labels[id(r)], _pairing_key(r)), []).append(r)
+    comparisons = []
+    for (label, key), members in rows.items():
+        mine, theirs = _by_seed(members), _by_seed(ref_by_key.get(key, []))
+        pairs: list[tuple[RunRecord, RunRecord]] = []
+        unpaired: list[str] = []
+        for seed in sorted(set(mine) | set(theirs), key=_seed_order):
+            a, b = mine.get(seed, []), theirs.get(seed, [])
+            name = f"seed {json.loads(seed)}"
+            if len(a) == 1 and len(b) == 1:
+                pairs.append((a[0], b[0]))
+            elif not b:
+                unpaired.append(f"{name}: no {ref_label} run")
+            elif not a:
+                unpaired.append(f"{name}: only {ref_label}")
+            else:
+                unpaired.append(f"{name}: repeated")
+        k = common_k([r for p in pairs for r in p] or members, last_k)
+        comparisons.append(Comparison(
+            label, describe_settings(members[0], shown, label), k, [a.seed for a, _ in pairs],
+            [a.accuracy_last(k) - b.accuracy_last(k) for a, b in pairs],
+            [a.final_accuracy - b.final_accuracy for a, b in pairs], unpaired))
+    return sorted(comparisons, key=lambda c: (c.settings, -(c.mean_last_k if c.mean_last_k is not None else -1e9)))
+
+
+def _seed_order(seed: str) -> tuple:
+    value = json.loads(seed)
+    return (0, value, "") if isinstance(value, (int, float)) else (1, 0, str(value))
+
+
+def _pp(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 100:+.2f}"
+
+
+def _with_interval(mean: float | None, interval: tuple[float, float] | None) -> str:
+    if mean is None:
+        return "n/a"
+    return f"{_pp(mean)} [{_pp(interval[0])}, {_pp(interval[1])}]" if interval else f"{_pp(mean)} [n/a]"
+
+
+def paired_footnote(vs: str) -> str:
+    return (f"Δ = method − {vs} in percentage points, per seed, between runs that differ only in the method (same "
+            "seed, same other settings); complete runs only. Shown: the mean over the paired seeds and, in "
+            f"brackets, a 95 % percentile bootstrap interval of that mean ({BOOTSTRAP_RESAMPLES:,} resamples with "
+            f"replacement of the per-seed differences, numpy seed {BOOTSTRAP_SEED}; \"n/a\" below 2 pairs; with few "
+            "seeds it is coarse: 3 seeds allow only 10 distinct resample means). Last-k differences compare both "
+            "runs over the same last k rounds. Unpaired seeds are named and not used.")
+
+
+def paired_table(runs: Iterable[RunRecord | str | Path], vs: str, last_k: int | None = None) -> str:
+    """Markdown table of ``paired_comparisons`` with the footnote that says what the interval is."""
+    comparisons = paired_comparisons(runs, vs, last_k)
+    ref = vs
+    lines = [f"| method | settings | last k | paired seeds | Δ last-k acc pp [95 % CI] | Δ final acc pp [95 % CI] "
+             f"| Δ last-k per seed | unpaired |",
+             "|---|---|---:|---|---:|---:|---|---|"]
+    for c in comparisons:
+        per_seed = ", ".join(f"{s}: {_pp(d)}" for s, d in zip(c.seeds, c.last_k)) or "n/a"
+        cells = [c.method, ", ".join(c.settings) or "—", c.k, ", ".join(str(s) for s in c.seeds) or "none",
+                 _with_interval(c.mean_last_k, c.interval_last_k), _with_interval(c.mean_final, c.interval_final),
+                 per_seed, "; ".join(c.unpaired) or "—"]
+        lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    if not comparisons:
+        lines.append(f"| (no other method than {ref}) | | | | | | | |")
+    return "\n".join(lines) + "\n\n" + paired_footnote(ref) + "\n"

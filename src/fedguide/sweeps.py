@@ -1,0 +1,210 @@
+"""Sweeps: ``--sweep KEY=VALUES`` axes, their combinations, and the plan that checks every combination
+and finds what its run folder already holds before the first run starts.
+
+VALUES is either a YAML list (``seed=[0, 1, 2]``, ``model.mapping=[[64, 64], []]``: each item one value)
+or values separated by commas (``seed=0,1,2``; a comma inside brackets or quotes does not separate,
+so ``method.layers=[1],[2]`` is two list values). Each combination's run folder is named from its
+values (``name=fedavg-seed=0``), the same on every invocation, so a sweep run again into the same
+parent folder skips its finished runs and continues the unfinished ones.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence, Union
+
+import yaml
+
+from fedguide.config import Config, apply_overrides, build_config, config_differences, parse_value, to_yaml
+from fedguide.registry import ConfigError
+
+# Characters a folder name cannot hold on some system (or that would make a sub-folder).
+_UNSAFE = re.compile(r'[/\\:*?"<>|\s\x00-\x1f]')
+
+
+@dataclass(frozen=True)
+class Axis:
+    key: str
+    values: tuple[Any, ...]
+    labels: tuple[str, ...]  # each value as it appears in folder names and printed labels
+
+
+@dataclass(frozen=True)
+class Combination:
+    settings: tuple[tuple[str, Any], ...]  # (dotted key, value) per axis
+    labels: tuple[str, ...]
+
+    @property
+    def overrides(self) -> list[tuple[str, Any]]:
+        return list(self.settings)
+
+    @property
+    def label(self) -> str:
+        """'method.name=fedavg seed=0'."""
+        return " ".join(f"{k}={lab}" for (k, _), lab in zip(self.settings, self.labels))
+
+    @property
+    def folder(self) -> str:
+        """'name=fedavg-seed=0': the last part of each key with its value."""
+        return "-".join(f"{k.split('.')[-1]}={_UNSAFE.sub('_', lab)}" for (k, _), lab in zip(self.settings, self.labels))
+
+
+def value_label(value: Any) -> str:
+    """A value as written in a label: strings as they are, anything else as compact JSON ([64,64], true)."""
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+def split_values(text: str) -> list[str]:
+    """'a,[1,2],"x,y"' -> ['a', '[1,2]', '"x,y"']: commas inside brackets, braces or quotes do not split."""
+    parts, depth, quote, start = [], 0, None, 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth != 0 or quote:
+        raise ConfigError(f"unbalanced brackets or quotes in the sweep values '{text}'; write them as a YAML list, "
+                          "e.g. [[64, 64], []]")
+    return parts + [text[start:]]
+
+
+def axis(key: str, values: Sequence[Any], labels: Optional[Sequence[str]] = None) -> Axis:
+    """One sweep axis; ``labels`` default to ``value_label`` of each value."""
+    key = key.strip()
+    if not key or not all(key.split(".")):
+        raise ConfigError(f"sweep key '{key}' is malformed; write dotted keys like method.mu")
+    values = list(values)
+    if not values:
+        raise ConfigError(f"--sweep {key} has no values; write e.g. --sweep {key}=[v1, v2]")
+    labels = [value_label(v) for v in values] if labels is None else list(labels)
+    seen: dict[str, Any] = {}
+    for v in values:
+        canon = json.dumps(v, sort_keys=True, default=str)
+        if canon in seen:
+            raise ConfigError(f"--sweep {key} lists the value {value_label(v)} twice; give each value once (a list "
+                              f"value goes inside the list of values: --sweep '{key}=[[64, 64], []]')")
+        seen[canon] = v
+    return Axis(key, tuple(values), tuple(labels))
+
+
+def parse_axis(spec: str) -> Axis:
+    """``KEY=VALUES`` as ``--sweep`` takes it (the module docstring gives the two forms)."""
+    if "=" not in spec:
+        raise ConfigError(f"--sweep '{spec}' is not key=values; write e.g. --sweep seed=0,1,2 or --sweep 'seed=[0, 1, 2]'")
+    key, text = spec.split("=", 1)
+    parts = split_values(text)
+    if len(parts) == 1 and text.strip().startswith("["):
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--sweep '{spec}': the values are not a valid YAML list ({err}); write e.g. "
+                              f"--sweep '{key}=[[64, 64], []]'") from None
+        return axis(key, values)
+    return axis(key, [parse_value(p) for p in parts], [p.strip() for p in parts])
+
+
+def grid(axes: Sequence[Axis]) -> list[Combination]:
+    """Every combination of the axes (the first axis varies slowest), each with its own run folder."""
+    keys = [a.key for a in axes]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ConfigError(f"--sweep {repeated[0]} is given twice; list all its values in one --sweep")
+    combos = [Combination(tuple((a.key, v) for a, (v, _) in zip(axes, pick)), tuple(lab for _, lab in pick))
+              for pick in itertools.product(*(list(zip(a.values, a.labels)) for a in axes))]
+    folders: dict[str, Combination] = {}
+    for c in combos:
+        if c.folder in folders:
+            raise ConfigError(f"the sweep combinations '{folders[c.folder].label}' and '{c.label}' would share the "
+                              f"run folder {c.folder}; sweep keys whose last parts differ, or values that differ "
+                              "in more than punctuation")
+        folders[c.folder] = c
+    return combos
+
+
+State = Literal["new", "unfinished", "finished", "stopped"]
+
+
+@dataclass
+class PlannedRun:
+    combination: Combination
+    config: Config  # resolved: every default written out
+    run_dir: Path
+    state: State  # new; unfinished (resumed); finished or stopped (diverged: resuming would diverge again), skipped
+    partition_summary: dict[str, Any]
+
+
+def run_state(run_dir: Path, cfg: Config) -> State:
+    """What ``run_dir`` holds for a run of ``cfg``; a ConfigError if it holds a run of other settings
+    (only ``train.rounds`` may differ: raised, the run continues; lowered, it counts as finished)."""
+    if not ((run_dir / "config.yaml").is_file() or (run_dir / "checkpoints").exists()):
+        return "new"
+    if (run_dir / "config.yaml").is_file():
+        from fedguide.fl.engine import pinned_config
+
+        try:
+            held = pinned_config(build_config(yaml.safe_load((run_dir / "config.yaml").read_text()) or {}))
+        except (ConfigError, yaml.YAMLError) as err:
+            raise ConfigError(f"{run_dir} holds a run whose config.yaml cannot be read ({err}); choose another --out") \
+                from None
+        wanted = pinned_config(cfg)
+        wanted["train"]["rounds"] = held["train"]["rounds"]
+        diff = config_differences(held, wanted, ("run folder", "this sweep"))
+        if diff:
+            raise ConfigError(f"{run_dir} holds a run of other settings:\n  " + "\n  ".join(diff)
+                              + "\nrun the sweep with the settings it was started with, or choose another --out")
+    summary = run_dir / "summary.json"
+    if summary.is_file() and json.loads(summary.read_text()).get("rounds", 0) >= cfg.train.rounds:
+        return "finished"
+    if (run_dir / "stopped.json").is_file():
+        return "stopped"
+    return "unfinished"
+
+
+def plan(raw: dict[str, Any], overrides: Sequence[Union[str, tuple[str, Any]]], combos: Sequence[Combination],
+         parent: Path) -> list[PlannedRun]:
+    """Resolve and prepare every combination (data, partition, model, method, regularisers, runtime)
+    and read its run folder; a ConfigError names every invalid combination with its error, before
+    anything runs or any folder is written."""
+    from fedguide.fl.loggers import check_available
+    from fedguide.fl.runtimes.base import RUNTIMES
+    from fedguide.fl.setup import open_run, prepare
+
+    planned, errors = [], []
+    for combo in combos:
+        try:
+            prepared = prepare(build_config(apply_overrides(raw, [*overrides, *combo.overrides])))
+            check_available(prepared.config.logging)
+            with tempfile.TemporaryDirectory() as scratch:
+                open_run(prepared, Path(scratch))  # what building the method and its regularisers refuses
+            run_dir = Path(parent) / combo.folder
+            state = run_state(run_dir, prepared.config)
+            refusal = RUNTIMES.get(prepared.config.runtime.name).obj.refuses(run_dir, resume=state != "new")
+            if refusal:
+                raise ConfigError(refusal)
+            planned.append(PlannedRun(combo, prepared.config, run_dir, state, prepared.data.summary()))
+        except ValueError as err:  # ConfigError and what building a model or method refuses
+            errors.append(f"{combo.label}: {err}")
+    if errors:
+        raise ConfigError(f"{len(errors)} of {len(combos)} sweep combinations are invalid, so none ran:\n  "
+                          + "\n  ".join(e.replace("\n", "\n    ") for e in errors))
+    return planned
+
+
+def dry_run_text(runs: Sequence[PlannedRun]) -> str:
+    """Each combination's resolved config and partition summary under a comment line naming it."""
+    blocks = []
+    for i, p in enumerate(runs, 1):
+        blocks.append(f"# sweep run {i}/{len(runs)}: {p.combination.label}  (folder {p.run_dir.name}: {p.state})\n"
+                      + to_yaml(p.config) + "partition summary: " + json.dumps(p.partition_summary) + "\n")
+    return "".join(blocks)

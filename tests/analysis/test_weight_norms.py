@@ -1,0 +1,52 @@
+"""FedDW Fig. 4's numbers: each class's classifier-row norm against its share of the data, for the final
+global head and, where the run folder keeps them, the clients' own models."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedguide.analysis import analyze
+from fedguide.analysis.opened import AnalysisRun
+from fedguide.analysis.weight_norms import rank_correlation, row_norms
+from fedguide.core.state import ClientStateStore
+
+
+def test_row_norms_hand_computed():
+    norms, relative = row_norms(torch.tensor([[3.0, 4.0], [0.0, 1.0], [0.0, 0.0]]))
+    assert norms.tolist() == [5.0, 1.0, 0.0]
+    assert relative.tolist() == pytest.approx([5 / 6, 1 / 6, 0.0])
+
+
+def test_rank_correlation_is_null_when_every_share_is_equal():
+    assert rank_correlation(np.array([1.0, 2.0, 3.0]), np.array([0.2, 0.2, 0.2])) is None
+    assert rank_correlation(np.array([3.0, 2.0, 1.0]), np.array([0.1, 0.3, 0.6])) == pytest.approx(-1.0)
+
+
+def test_global_rows_are_the_norms_of_the_saved_head(fedavg_run):
+    analyze(fedavg_run, ["weight_norms"])
+    data = json.loads((fedavg_run / "analysis" / "weight_norms.json").read_text())
+    head = load_file(fedavg_run / "model.safetensors")["head.weight"]
+    assert data["global"]["norms"] == pytest.approx(torch.linalg.norm(head, dim=1).tolist(), rel=1e-6)
+    counts = np.array(json.loads((fedavg_run / "partition.json").read_text())["counts"]).sum(0)
+    assert data["global"]["class_share"] == pytest.approx((counts / counts.sum()).tolist())
+    assert sum(data["global"]["relative_norms"]) == pytest.approx(1.0)
+    assert data["clients"] == [] and "no client models" in data["used"][-1]
+    assert (fedavg_run / "analysis" / "weight_norms.png").stat().st_size > 0
+
+
+def test_client_rows_come_from_each_clients_stored_model(moon_run):
+    analyze(moon_run, ["weight_norms"])
+    data = json.loads((moon_run / "analysis" / "weight_norms.json").read_text())
+    counts = np.array(json.loads((moon_run / "partition.json").read_text())["counts"])
+    layout = AnalysisRun(moon_run).ctx.layout
+    store = ClientStateStore(moon_run / "client_state")
+    assert [c["client"] for c in data["clients"]] == [0, 1, 2, 3]
+    for entry in data["clients"]:
+        cid = entry["client"]
+        assert entry["state_key"] == "prev_weights"
+        head = store.get(cid)["prev_weights"][layout.span("head.weight")].view(10, -1)
+        assert entry["norms"] == pytest.approx(torch.linalg.norm(head, dim=1).tolist(), rel=1e-6)
+        assert entry["counts"] == counts[cid].tolist()
+        assert entry["class_share"] == pytest.approx((counts[cid] / counts[cid].sum()).tolist())

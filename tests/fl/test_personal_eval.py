@@ -1,0 +1,103 @@
+"""Personalised evaluation (eval.mode): the clients' test splits, the personal metrics, and a tiny run on
+every runtime with client state on disk."""
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from fedguide.core.evaluation import personal_metrics
+from fedguide.data.federated import FederatedData, personal_test_splits
+from fedguide.fl.setup import prepare
+from fedguide.registry import ConfigError
+from tiny import run_tiny, tiny_config, without_timing
+
+
+def test_splits_follow_each_clients_training_mix_by_largest_remainders():
+    # client 0 trains on 3 of class 0 and 1 of class 1, client 1 on 4 of class 1; 10 test samples per class.
+    train = np.array([0, 0, 0, 1, 1, 1, 1, 1])
+    clients = [np.array([0, 1, 2, 3]), np.array([4, 5, 6, 7])]
+    test = np.repeat([0, 1], 10)
+    full = personal_test_splits(train, clients, test, 1.0, np.random.default_rng(0))
+    assert [np.bincount(test[s], minlength=2).tolist() for s in full] == [[10, 2], [0, 8]]  # class 1: 10·1/5, 10·4/5
+    assert sorted(np.concatenate(full).tolist()) == list(range(20))  # every test sample, each to one client
+    half = personal_test_splits(train, clients, test, 0.5, np.random.default_rng(0))
+    assert [np.bincount(test[s], minlength=2).tolist() for s in half] == [[5, 1], [0, 4]]
+    # Quotas 1.5 and 1.5 of 3 samples: the tie goes to the lower client.
+    tie = personal_test_splits(np.array([0, 0]), [np.array([0]), np.array([1])], np.zeros(3, int), 1.0,
+                               np.random.default_rng(0))
+    assert [len(s) for s in tie] == [2, 1]
+
+
+def test_splits_are_seeded_and_keep_domains_apart():
+    splits = SimpleNamespace(train_y=torch.tensor([0, 0, 0, 0]), test_y=torch.zeros(8, dtype=torch.long),
+                             train_domains=torch.tensor([0, 0, 1, 1]), test_domains=torch.tensor([0] * 4 + [1] * 4),
+                             domain_names=["a", "b"], num_classes=1)
+    data = FederatedData(splits, [np.array([0, 1]), np.array([2, 3])])
+    one = data.personal_test_split(1.0, np.random.default_rng(3))
+    assert [s.tolist() for s in one] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # same class, each client its own domain
+    labels = np.arange(40) % 4
+    clients = [np.arange(0, 20), np.arange(20, 40)]
+    a = personal_test_splits(labels, clients, np.arange(100) % 4, 1.0, np.random.default_rng(7))
+    b = personal_test_splits(labels, clients, np.arange(100) % 4, 1.0, np.random.default_rng(7))
+    c = personal_test_splits(labels, clients, np.arange(100) % 4, 1.0, np.random.default_rng(8))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)) and not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def test_personal_metrics_hand_computed():
+    out = personal_metrics([3, 1, 0], [4, 2, 0])
+    assert out["personal_accuracy"] == pytest.approx(4 / 6)  # sample-weighted: all hits over all samples
+    assert out["personal_accuracy_min"] == 0.5 and out["personal_accuracy_bottom10"] == 0.5
+    assert out["personal_client_accuracy"] == [0.75, 0.5, None]  # an empty split scores nothing
+    # 20 clients: the bottom 10 % is the two worst, 0.0 and 0.1.
+    many = personal_metrics([i for i in range(20)], [10] * 10 + [100] * 10)
+    assert many["personal_accuracy_bottom10"] == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="personal_test_fraction"):
+        personal_metrics([0], [0])
+
+
+def test_both_reports_personal_metrics_and_the_global_models_split_scores_add_up(tmp_path):
+    summary, rows, run_dir = run_tiny(tmp_path, tiny_config(eval={"mode": "both"}))
+    for row in rows:
+        assert {"accuracy", "test_loss", "personal_accuracy", "personal_accuracy_min",
+                "personal_accuracy_bottom10"} <= set(row)
+        # FedAvg's personal model is the global model, and the splits divide the test set: the same score.
+        assert row["personal_accuracy"] == pytest.approx(row["accuracy"])
+    record = json.loads((run_dir / "partition.json").read_text())["personal_test"]
+    assert sum(len(i) for i in record["indices"]) == 360  # the digits test set, all of it handed out
+    assert summary["final_personal_accuracy"] == rows[-1]["personal_accuracy"]
+    assert summary["personal_client_accuracy"] == rows[-1]["personal_client_accuracy"]
+    assert summary["best_personal_accuracy"] == max(r["personal_accuracy"] for r in rows)
+
+
+def test_personal_mode_scores_the_clients_only_and_finetuning_personalises(tmp_path):
+    _, rows, _ = run_tiny(tmp_path, tiny_config(eval={"mode": "personal", "finetune_steps": 5}, train={"rounds": 2}))
+    assert all(r["accuracy"] == r["personal_accuracy"] and "test_loss" not in r for r in rows)
+    _, plain, _ = run_tiny(tmp_path, tiny_config(eval={"mode": "personal"}, train={"rounds": 2}), name="plain")
+    assert [r["loss"] for r in rows] == [r["loss"] for r in plain]  # scoring changes nothing in training
+    assert [r["personal_client_accuracy"] for r in rows] != [r["personal_client_accuracy"] for r in plain]
+
+
+def test_personal_every_and_refusals(tmp_path):
+    _, rows, _ = run_tiny(tmp_path, tiny_config(eval={"mode": "both", "personal_every": 2}, train={"rounds": 3}))
+    assert ["personal_accuracy" in r for r in rows] == [False, True, True]  # round 2, and the last
+    with pytest.raises(ConfigError, match="no personalised model"):
+        prepare(tiny_config(method={"name": "zero_shot"}, eval={"mode": "personal"}))
+
+
+PFL = {"method": {"name": "fedrep", "head_epochs": 1}, "eval": {"mode": "both"},
+       "clients": {"num": 4, "per_round": 2}, "train": {"rounds": 2}}
+
+
+@pytest.mark.parametrize("runtime", [
+    {"name": "local", "workers": 2, "threads_per_worker": 1},
+    pytest.param({"name": "flower-sim", "threads_per_worker": 1}, marks=pytest.mark.e2e),
+])
+def test_a_personalised_method_scores_alike_on_every_runtime(tmp_path, runtime):
+    # Heads live in client state on disk, written by worker processes or Flower's actors and read by the server.
+    _, ref, _ = run_tiny(tmp_path, tiny_config(PFL), name="in-process")
+    _, rows, run_dir = run_tiny(tmp_path, tiny_config(PFL, runtime=runtime), name="other")
+    assert without_timing(rows) == without_timing(ref)
+    trained = {c for r in rows for c in r["clients"]}
+    assert {int(p.name) for p in (run_dir / "client_state" / "committed").iterdir()} == trained

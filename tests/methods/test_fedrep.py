@@ -1,0 +1,61 @@
+"""FedRep: the head trains first with the representation fixed, then the representation with the head fixed;
+only the representation travels and is averaged; the head lives in the client's state."""
+import torch
+
+from fedguide.methods._personalise import head_span
+from pfl_cases import client_round, opened
+
+
+def test_head_epochs_then_body_epochs_each_with_the_other_part_frozen(tmp_path):
+    ctx, method = opened(tmp_path, {"name": "fedrep", "head_epochs": 2, "body_epochs": 1})
+    phases = []
+    loss = method.local_loss
+
+    def recording(model, x, y, cctx):
+        phases.append(("head" if model.head.weight.requires_grad else "") +
+                      ("body" if next(model.encoder.parameters()).requires_grad else ""))
+        return loss(model, x, y, cctx)
+
+    method.local_loss = recording
+    _, res = client_round(ctx, method, 0, 1, ctx.initial_weights)
+    batches = -(-len(ctx.data.client(0)) // ctx.config.train.batch_size)  # ceil: one epoch's steps
+    assert phases == ["head"] * (2 * batches) + ["body"] * batches
+    assert res.loss is not None
+
+
+def test_the_head_never_leaves_the_client(tmp_path):
+    ctx, method = opened(tmp_path, {"name": "fedrep", "head_epochs": 1})
+    head = head_span(ctx.layout)
+    payload = method.server_payload(1, 0, ctx.initial_weights)
+    assert set(payload) == {"shared"} and payload["shared"].numel() == head.start
+    upload, _ = client_round(ctx, method, 0, 1, ctx.initial_weights)
+    assert set(upload) == {"shared", "num_samples"} and upload["shared"].numel() == head.start
+    trained = ctx.layout.flatten(ctx.model)
+    state = ctx.store.get(0, 1)
+    assert torch.equal(state["personal"], trained[head])  # the trained head, kept by the client
+    assert not torch.equal(trained[head], ctx.initial_weights[head])
+
+    # Next round the client starts from the new global representation and its own head.
+    new_global = ctx.initial_weights.clone()
+    new_global[: head.start] += 0.5
+    start = method.client_start(type("Ctx", (), {"payload": method.server_payload(2, 0, new_global),
+                                                 "state": state})())
+    assert torch.equal(start[: head.start], new_global[: head.start]) and torch.equal(start[head], trained[head])
+
+
+def test_server_averages_representations_and_personal_models_use_each_clients_head(tmp_path):
+    ctx, method = opened(tmp_path, {"name": "fedrep", "head_epochs": 1})
+    head = head_span(ctx.layout)
+    uploads = [client_round(ctx, method, cid, 1, ctx.initial_weights)[0] for cid in (0, 1)]
+    n0, n1 = (u["num_samples"] for u in uploads)
+    glob = method.aggregate(1, ctx.initial_weights, uploads)
+    expected = (n0 * uploads[0]["shared"].double() + n1 * uploads[1]["shared"].double()) / (n0 + n1)
+    assert torch.allclose(glob[: head.start].double(), expected, atol=1e-6)
+    assert torch.equal(glob[head], ctx.initial_weights[head])  # the server has no head of its own
+    for cid in (0, 1):
+        personal = method.personal_model(1, cid, glob)
+        assert torch.equal(personal[: head.start], glob[: head.start])
+        assert torch.equal(personal[head], ctx.store.get(cid, 1)["personal"])
+    # A client that has not trained yet holds the initial head.
+    assert torch.equal(method.personal_model(1, 3, glob)[head], ctx.initial_weights[head])
+    assert set(method.evaluate(1, glob)) >= {"accuracy", "client_accuracy_min", "client_accuracy_max"}

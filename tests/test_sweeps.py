@@ -1,0 +1,81 @@
+"""Sweep axes (the comma form and YAML lists), their run folders, and the plan that checks every
+combination and reads its run folder before anything runs."""
+from __future__ import annotations
+
+import pytest
+
+from fedguide.registry import ConfigError
+from fedguide.sweeps import grid, parse_axis, plan, run_state
+from tiny import run_tiny, tiny_config, tiny_raw
+
+
+def folders(*specs: str) -> list[str]:
+    return [c.folder for c in grid([parse_axis(s) for s in specs])]
+
+
+def test_the_comma_form_and_a_yaml_list_give_the_same_values_and_folders():
+    assert parse_axis("seed=0,1,2").values == parse_axis("seed=[0, 1, 2]").values == (0, 1, 2)
+    assert folders("seed=0,1,2") == folders("seed=[0, 1, 2]") == ["seed=0", "seed=1", "seed=2"]
+
+
+@pytest.mark.parametrize("spec", ["model.mapping=[[64, 64], []]", "model.mapping=[64,64],[]"])
+def test_list_values_are_swept_whole(spec):
+    assert parse_axis(spec).values == ([64, 64], [])
+    assert folders(spec) == ["mapping=[64,64]", "mapping=[]"]
+
+
+def test_a_comma_inside_brackets_or_quotes_does_not_split():
+    assert parse_axis("method.layers=[1],[2, 3]").values == ([1], [2, 3])
+    assert parse_axis("meta.note='a,b',c").values == ("a,b", "c")
+
+
+def test_folders_follow_the_first_axis_slowest_and_hold_no_path_separator():
+    assert folders("method.name=fedavg,fedprox", "seed=0,1") == [
+        "name=fedavg-seed=0", "name=fedavg-seed=1", "name=fedprox-seed=0", "name=fedprox-seed=1"]
+    assert folders("guidance.model=CompVis/sd-v1-4,a b") == ["model=CompVis_sd-v1-4", "model=a_b"]
+
+
+@pytest.mark.parametrize("specs,message", [
+    (["seed"], "is not key=values"),
+    (["seed=[]"], "has no values"),
+    (["seed=0,0"], "lists the value 0 twice"),
+    (["model.mapping=[64, 64]"], "model.mapping=[[64, 64], []]"),  # two equal scalars, meant as one list
+    (["seed=0,1", "seed=2"], "given twice"),
+    (["x=[1, 2"], "unbalanced"),
+    (["guidance.model=a/b,a_b"], "would share the run folder"),
+])
+def test_bad_sweeps_are_a_sentence(specs, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        grid([parse_axis(s) for s in specs])
+
+
+def test_the_plan_names_every_invalid_combination_and_returns_nothing(tmp_path):
+    combos = grid([parse_axis("method.name=fedprox,fedavg,moon")])
+    with pytest.raises(ConfigError) as err:
+        plan(tiny_raw(), ["method.mu=0.5", "method.name=fedavg"], combos, tmp_path / "sweep")
+    msg = str(err.value)
+    assert msg.startswith("1 of 3 sweep combinations are invalid")
+    assert "method.name=fedavg: method.mu: method 'fedavg' has no parameter 'mu'" in msg
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_the_plan_resolves_each_combination_and_reads_its_folder(tmp_path):
+    runs = plan(tiny_raw(), [], grid([parse_axis("model.mapping=[[16], []]")]), tmp_path)
+    assert [r.config.model.params_dict()["mapping"] for r in runs] == [[16], []]
+    assert [r.state for r in runs] == ["new", "new"]
+    assert runs[0].run_dir == tmp_path / "mapping=[16]" and runs[0].partition_summary["num_clients"] == 4
+
+
+def test_run_state_tells_finished_unfinished_and_other_settings_apart(tmp_path):
+    cfg = tiny_config(train={"rounds": 2})
+    _, _, run_dir = run_tiny(tmp_path, cfg)
+    resolved = plan(tiny_raw(train={"rounds": 2}), [], grid([parse_axis("seed=[1]")]), tmp_path)[0].config
+    assert run_state(tmp_path / "elsewhere", resolved) == "new"
+    assert run_state(run_dir, resolved) == "finished"
+    assert run_state(run_dir, resolved.model_copy(update={"train": resolved.train.model_copy(update={"rounds": 3})})) \
+        == "unfinished"  # rounds raised: the run continues
+    (run_dir / "summary.json").unlink()
+    assert run_state(run_dir, resolved) == "unfinished"
+    other = resolved.model_copy(update={"train": resolved.train.model_copy(update={"lr": 0.5})})
+    with pytest.raises(ConfigError, match=r"holds a run of other settings:\n  train.lr: 0.05 \(run folder\) vs 0.5"):
+        run_state(run_dir, other)
