@@ -130,7 +130,11 @@ def execute(runs: list[Planned]) -> list[Planned]:
             print(f"{tag}: FAILED (exit {err.returncode}); the next invocation tries it again", flush=True)
             failed.append(run)
             continue
-        s = load_run(run.out).summary or {}
+        s = load_run(run.out).summary
+        if s is None:  # ended without a summary (a diverged run says so in its folder)
+            print(f"{tag}: STOPPED without a summary ({load_run(run.out).status})", flush=True)
+            failed.append(run)
+            continue
         print(f"{tag}: last-k {100 * s['accuracy_last_k']:.2f}%  final {100 * s['final_accuracy']:.2f}%  "
               f"personal final {100 * s.get('final_personal_accuracy', float('nan')):.2f}%  "
               f"{s['wall_seconds'] / 60:.0f} min", flush=True)
@@ -204,8 +208,8 @@ def tables(runs: list[Planned], settings: list[str], missing: list[str]) -> str:
     for s in settings:
         lines += ["", f"## {s}: every statistic (%)", "",
                   "| method | seeds | last-k acc | final acc | best acc† | last-k personal | final personal "
-                  "| last-k personal min | last-k personal bottom 10 % |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| last-k personal min |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
         for label in labels:
             r = recs.get((s, label), [])
             if not r:
@@ -213,9 +217,10 @@ def tables(runs: list[Planned], settings: list[str], missing: list[str]) -> str:
             lines.append(f"| {display(label)} | {', '.join(str(x.seed) for x in r)} | " + " | ".join([
                 _stat(r, "last_k"), _stat(r, "final"), _stat(r, "best"),
                 _stat(r, "last_k", "personal_accuracy"), _stat(r, "final", "personal_accuracy"),
-                _stat(r, "last_k", "personal_accuracy_min"), _stat(r, "last_k", "personal_accuracy_bottom10")]) + " |")
+                _stat(r, "last_k", "personal_accuracy_min")]) + " |")
         lines.append("")
-        lines.append("† best: the maximum over rounds, picked with the test set, so optimistic.")
+        lines.append("† best: the maximum over rounds, picked with the test set, so optimistic. *personal min*: the "
+                     "worst client (with 10 clients also the bottom-10 % mean that the reports show).")
     pair_note = ("Δ in percentage points of the last-k accuracy, per seed between runs of the same seed (same "
                  "partition, initial weights and sampled clients); shown: the mean over the paired seeds, a 95 % "
                  "percentile bootstrap interval of that mean in brackets (10,000 resamples, numpy seed 0; none "
@@ -231,6 +236,8 @@ def tables(runs: list[Planned], settings: list[str], missing: list[str]) -> str:
             mine, ref = recs.get((s, label), []), recs.get((s, REFERENCE), [])
             cells += [_paired(mine, ref, "accuracy"), _paired(mine, ref, "personal_accuracy")]
         lines.append(f"| {display(label)} | " + " | ".join(cells) + " |")
+    if not any(label != REFERENCE for label in labels):
+        lines.append("| (no other method finished yet) |" + " |" * (2 * len(settings)))
     lines += ["", pair_note, "", "## Table IV: what DW adds (X+DW − X)", "",
               "| pair | " + " | ".join(f"{s} Δ global | {s} Δ personal" for s in settings) + " |",
               "|---|" + "---:|---:|" * len(settings)]
@@ -252,7 +259,7 @@ def status(runs: list[Planned], failed: list[Planned], missing: list[str]) -> st
     lines = ["# Status of benchmarks/feddw_table_suite.py",
              "",
              f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}: {len(done)} of {len(runs)} runs finished"
-             f"{f', {len(started)} started and unfinished' if started else ''}.",
+             f"{f', {len(started)} started (running or interrupted)' if started else ''}.",
              ""]
     if missing:
         lines += [f"Methods not registered in fedguide when it ran (no runs planned): {', '.join(missing)}.", ""]
@@ -261,7 +268,7 @@ def status(runs: list[Planned], failed: list[Planned], missing: list[str]) -> st
                   + ", ".join(f"{r.setting}/{r.out.name}" for r in failed) + ".", ""]
     lines += ["| setting | run | state |", "|---|---|---|"]
     for r in runs:
-        state = ("finished" if finished(r) else "started, unfinished" if (r.out / "config.yaml").is_file()
+        state = ("finished" if finished(r) else "started (running or interrupted)" if (r.out / "config.yaml").is_file()
                  else "not started")
         lines.append(f"| {r.setting} | {r.out.name} | {state} |")
     return "\n".join(lines) + "\n"
