@@ -38,6 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _runs import ensure_run, mean_std, metrics, summary  # noqa: E402
 
+from fedguide.core.atomic import write_text  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results" / "fedcado"
 SCENARIOS = {"digits": ("configs/fedcado_digits.yaml", "feature skew"),
              "fmnist": ("configs/fedcado_fmnist.yaml", "label skew")}
@@ -167,10 +169,10 @@ def throughput(rows: list[tuple[str, Path]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def copy_grids(scenario: str, root: Path, seed: int) -> None:
+def copy_grids(scenario: str, root: Path, seed: int, results_dir: Path) -> None:
     for row in ("fedcado_ft", "sd_gen"):
         src = root / f"{row}-s{seed}" / "synthetic"
-        dest = RESULTS / "grids" / scenario / row
+        dest = results_dir / "grids" / scenario / row
         if src.is_dir():
             dest.mkdir(parents=True, exist_ok=True)
             for png in src.glob("client_*.png"):
@@ -186,8 +188,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--hetero-seeds", type=int, nargs="*", default=[0])
     ap.add_argument("--only-report", action="store_true", help="tabulate the finished runs, start none")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="where the tables go (a sub-folder keeps the published ones, e.g. for other models)")
     args = ap.parse_args()
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    results_dir = args.results
+    results_dir.mkdir(parents=True, exist_ok=True)
     everything: dict[str, Any] = {}
     generating: list[tuple[str, Path]] = []
     # Every scenario is tabulated from its finished runs; only --scenarios start runs. So the shared files
@@ -216,15 +221,15 @@ def main() -> None:
             results: dict[str, Any] = {}
             title = f"{scenario} ({kind}{', heterogeneous client models' if hetero else ''})"
             text = table(title, kind, runs, classes, seeds, results) + ordering_note(results)
-            (RESULTS / f"{prefix}{scenario}.md").write_text(text)
+            write_text(results_dir / f"{prefix}{scenario}.md", text)
             print(text, flush=True)
             everything[f"{prefix}{scenario}"] = results
             generating += [(f"{prefix}{scenario}/{p.name}", p)
                            for r in ("fedcado_ft", "sd_gen") for p in runs.get(r, [])]
             if not hetero and seeds:
-                copy_grids(scenario, root, seeds[0])
-    (RESULTS / "throughput.md").write_text(throughput(generating))
-    (RESULTS / "results.json").write_text(json.dumps(everything, indent=1) + "\n")
+                copy_grids(scenario, root, seeds[0], results_dir)
+    write_text(results_dir / "throughput.md", throughput(generating))
+    write_text(results_dir / "results.json", json.dumps(everything, indent=1) + "\n")
 
 
 if __name__ == "__main__":

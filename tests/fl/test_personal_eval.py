@@ -86,18 +86,24 @@ def test_personal_every_and_refusals(tmp_path):
         prepare(tiny_config(method={"name": "zero_shot"}, eval={"mode": "personal"}))
 
 
-PFL = {"method": {"name": "fedrep", "head_epochs": 1}, "eval": {"mode": "both"},
-       "clients": {"num": 4, "per_round": 2}, "train": {"rounds": 2}}
+# The methods of this family that keep something on their clients between rounds. Worker processes for
+# each; Flower's actors for one method of each state code (FedPer's is FedRep's split federation).
+STATEFUL = [{"name": "fedrep", "head_epochs": 1}, {"name": "fedper"}, {"name": "fedala"}, {"name": "fedema"}]
+POOL = {"name": "local", "workers": 2, "threads_per_worker": 1}
+SIM = {"name": "flower-sim", "threads_per_worker": 1}
+PFL = {"eval": {"mode": "both"}, "clients": {"num": 4, "per_round": 2}, "train": {"rounds": 2}}
 
 
-@pytest.mark.parametrize("runtime", [
-    {"name": "local", "workers": 2, "threads_per_worker": 1},
-    pytest.param({"name": "flower-sim", "threads_per_worker": 1}, marks=pytest.mark.e2e),
-])
-def test_a_personalised_method_scores_alike_on_every_runtime(tmp_path, runtime):
-    # Heads live in client state on disk, written by worker processes or Flower's actors and read by the server.
-    _, ref, _ = run_tiny(tmp_path, tiny_config(PFL), name="in-process")
-    _, rows, run_dir = run_tiny(tmp_path, tiny_config(PFL, runtime=runtime), name="other")
+@pytest.mark.parametrize("runtime, method", [(POOL, m) for m in STATEFUL] + [
+    pytest.param(SIM, m, marks=pytest.mark.e2e) for m in STATEFUL if m["name"] != "fedper"],
+    ids=[f"pool-{m['name']}" for m in STATEFUL] + [f"flower-sim-{m['name']}" for m in STATEFUL if m["name"] != "fedper"])
+def test_a_personalised_method_scores_alike_on_every_runtime(tmp_path, runtime, method):
+    # Their state lives in client state on disk, written by worker processes or Flower's actors and read back.
+    layers = {**PFL, "method": method}
+    if method["name"] == "fedema":
+        layers["eval"] = {"mode": "global"}  # self-supervised: evaluated by its linear probe only
+    _, ref, _ = run_tiny(tmp_path, tiny_config(layers), name="in-process")
+    _, rows, run_dir = run_tiny(tmp_path, tiny_config(layers, runtime=runtime), name="other")
     assert without_timing(rows) == without_timing(ref)
     trained = {c for r in rows for c in r["clients"]}
     assert {int(p.name) for p in (run_dir / "client_state" / "committed").iterdir()} == trained

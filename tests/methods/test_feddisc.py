@@ -385,3 +385,38 @@ def test_smoke_config(tmp_path):
     # Its wall time (under a minute on two idle cores) is a benchmark figure, not asserted: a loaded
     # machine would fail a timed test for no fault of the code.
     assert summary["rounds"] == 1 and summary["method"] == "feddisc" and 0.0 <= summary["final_accuracy"] <= 1.0
+
+
+def test_a_run_stopped_mid_generation_resumes_after_its_last_finished_batch(digits_config, tmp_path, monkeypatch):
+    import fedguide.guidance.samplers as samplers
+
+    cfg = digits_config({"name": "feddisc", **FAST, "gen_batch_size": 1})
+    _, ref_rows, ref_dir = run_tiny(tmp_path, cfg, name="whole")
+    assert not (ref_dir / "feddisc_generation").exists()  # removed once the results are written
+    calls, real = [], samplers.sample
+
+    def stopping(*args, **kwargs):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(samplers, "sample", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        run_tiny(tmp_path, cfg, name="stopped")
+    assert len(list((tmp_path / "stopped" / "feddisc_generation").glob("batch_*.safetensors"))) == 3
+    counted = []
+    monkeypatch.setattr(samplers, "sample", lambda *a, **k: counted.append(1) or real(*a, **k))
+    _, rows, run_dir = run_tiny(tmp_path, cfg, name="stopped", resume=True)
+    assert len(counted) == ref_rows[0]["generated_images"] - 3  # one image a batch: the first three were kept
+    assert rows[0]["accuracy"] == ref_rows[0]["accuracy"] and rows[0]["head_train_loss"] == ref_rows[0]["head_train_loss"]
+    a, b = load_file(ref_dir / "feddisc_samples.safetensors"), load_file(run_dir / "feddisc_samples.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # A batch whose conditions differ (other uploads, another recipe) is generated again, never read.
+    from fedguide.methods._generation_cache import GenerationCache, batch_key
+    cache = GenerationCache(tmp_path / "cache")
+    key = batch_key({"steps": 2}, {"c": torch.ones(2)})
+    cache.save((0, 0), key, {"features": torch.zeros(1, 2)})
+    assert cache.load((0, 0), key) is not None
+    assert cache.load((0, 0), batch_key({"steps": 2}, {"c": torch.ones(2) * 1.0001})) is None
+    assert cache.load((0, 0), batch_key({"steps": 3}, {"c": torch.ones(2)})) is None

@@ -28,6 +28,10 @@ Decisions where the paper is silent:
   the UNet's schedule and gives an unCLIP UNet level 0. The privacy report names the process that ran.
 - Images of class j are sampled in batches of ``gen_batch_size``; the noise of image i of batch b depends
   on (run seed, j, b, i) alone (the sampler's per-image generators); the pairing of Eq. 6 on the run seed.
+- Generation resumes: each finished sampler batch's features (and its images shown in the grid) are kept
+  in ``feddisc_generation/`` of the run directory under a key of everything they depend on
+  (_generation_cache.py), so ``fedguide resume`` of a run stopped mid-generation continues after the last
+  finished batch with the same result; the folder goes once the results are written.
 - Generated images are encoded class by class and dropped; only ``sample_grid`` images per class are kept
   and written to ``feddisc_samples.png`` in the run directory (one row per class), and as 8-bit pixels with
   their classes and the client whose domain feature guided each to ``feddisc_samples.safetensors``
@@ -57,6 +61,8 @@ from pydantic import Field
 
 from fedguide.core.seeding import derive_seed
 from fedguide.methods._centroids import CentroidOneShot, CentroidParams, uploaded_centroids
+from fedguide.methods._generation_cache import GenerationCache, batch_key
+from fedguide.methods._synthetic import from_uint8, to_uint8
 from fedguide.guidance.progress import progress
 from fedguide.methods.base import METHODS
 from fedguide.registry import ConfigError
@@ -64,6 +70,7 @@ from fedguide.registry import ConfigError
 PAIRING_TAG, GENERATION_TAG = 21, 22
 PROGRESS_FROM = 256  # a generation of at least this many images shows a progress bar (stderr)
 SAMPLES_FILE = "feddisc_samples.safetensors"
+GENERATION_DIR = "feddisc_generation"  # finished sampler batches, so a stopped run resumes after the last
 
 
 class FedDISCParams(CentroidParams):
@@ -218,6 +225,8 @@ class FedDISC(CentroidOneShot):
         # unclip: the uploads were noised to noise_level by the pipeline's own process; tell the UNet that level
         level = {"noise_level": p.noise_level, "noised": True} if self.noise_process() == "unclip" else {}
         prompts = class_prompts(self.run.data.splits.class_names, p.prompt)
+        cache = GenerationCache(self.run.run_dir / GENERATION_DIR)
+        guidance = self.run.config.guidance.model_dump(mode="json")
         gen_feats, gen_labels, grid, grid_labels, grid_clients = [], [], [], [], []
         with progress(len(plan.labels), "generating", enabled=len(plan.labels) >= PROGRESS_FROM) as advance:
             for j in sorted(set(plan.labels.tolist())):
@@ -233,12 +242,19 @@ class FedDISC(CentroidOneShot):
                     seed = derive_seed(self.run.config.seed, "model", GENERATION_TAG, j, chunk) % 2 ** 31
                     config = SamplerConfig(scheduler=p.scheduler, steps=p.steps, guidance_scale=p.cfg_scale,
                                            eta=p.eta, batch_size=p.gen_batch_size, progress=False, seed=seed)
-                    images = sample(model, [prompts[j]] * len(part), config,
-                                    composed_conditions(model, context, pairs, **level)).images
-                    gen_feats.append(feats.of_images(images))
-                    gen_labels.append(torch.full((len(part),), j, dtype=torch.long))
                     shown = max(p.sample_grid - sum(len(k) for k in kept), 0)
-                    kept.append(images[:shown])
+                    key = batch_key({"prompt": prompts[j], "sampler": config, "weights": [w for w, _ in pairs],
+                                     "level": level, "shown": shown, "guidance": guidance},
+                                    {f"condition{i}": c for i, (_, c) in enumerate(pairs)})
+                    done = cache.load((j, chunk), key)
+                    if done is None:
+                        images = sample(model, [prompts[j]] * len(part), config,
+                                        composed_conditions(model, context, pairs, **level)).images
+                        done = {"features": feats.of_images(images), "shown": to_uint8(images[:shown])}
+                        cache.save((j, chunk), key, done)
+                    gen_feats.append(done["features"])  # float32 on the CPU (the frozen encoder's)
+                    gen_labels.append(torch.full((len(part),), j, dtype=torch.long))
+                    kept.append(from_uint8(done["shown"]))  # 8-bit either way, so a resumed run draws the same grid
                     kept_clients.append(guiding_clients(plan.domain_client[part[:shown]], uploads))
                     advance(len(part))
                 grid.append(torch.cat(kept))
@@ -255,5 +271,6 @@ class FedDISC(CentroidOneShot):
         if p.sample_grid:
             save_grid(grid, self.run.run_dir / "feddisc_samples.png")
             save_samples(grid, grid_labels, grid_clients, self.run.run_dir / SAMPLES_FILE)
+        cache.remove()
         return head, {"generated_images": int(len(plan.labels)), "head_train_samples": int(len(y)), **extra,
                       "generation_seconds": generation_seconds, "head_train_loss": loss}

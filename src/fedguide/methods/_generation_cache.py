@@ -1,0 +1,71 @@
+"""What a one-shot server's generation has produced so far, batch by batch, in the run directory, so that a
+run stopped in the middle of a long generation resumes after its last finished batch instead of from the
+first image.
+
+A batch's entry holds what the method keeps of it (for FedDISC: the image features and the few images
+shown in the samples grid, as 8-bit pixels) under a key computed from everything its images depend on
+(conditions, prompt, sampler settings, seed). An entry whose key differs, from a changed recipe or other
+uploads, is never read: the batch is generated again and the entry replaced. Entries are written
+atomically, so a stop during a write leaves the previous state. The folder is removed once the method
+has written its results.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from fedguide.core.atomic import write_atomic
+
+KEY = "key"
+
+
+def batch_key(recipe: dict[str, Any], tensors: dict[str, Optional[torch.Tensor]]) -> str:
+    """A digest of a batch's settings and of the exact values of the tensors that condition it."""
+    h = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(name.encode())
+        if t is not None:
+            c = t.detach().to("cpu", torch.float32).contiguous()
+            h.update(str(tuple(c.shape)).encode())
+            h.update(c.numpy().tobytes())
+    return h.hexdigest()
+
+
+class GenerationCache:
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def path(self, *index: int) -> Path:
+        return self.folder / ("batch_" + "_".join(f"{i:05d}" for i in index) + ".safetensors")
+
+    def load(self, index: tuple[int, ...], key: str) -> Optional[dict[str, torch.Tensor]]:
+        """The entry at ``index`` if it was written under ``key``, else None."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        path = self.path(*index)
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), "pt") as f:
+                if (f.metadata() or {}).get(KEY) != key:
+                    return None
+            return load_file(path)
+        except (OSError, ValueError, RuntimeError):  # unreadable: generate the batch again
+            return None
+
+    def save(self, index: tuple[int, ...], key: str, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        plain = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        write_atomic(self.path(*index), lambda tmp: save_file(plain, tmp, metadata={KEY: key}))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
