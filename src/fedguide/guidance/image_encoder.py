@@ -44,11 +44,7 @@ class ClipImageEncoder:
         return self.text is not None
 
     def preprocess(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 4 or x.shape[1] not in (1, 3):
-            raise ConfigError(f"images must be [B, 3, H, W] in [-1, 1], got shape {tuple(x.shape)}")
-        x = x.to(self.device, self.dtype).expand(-1, 3, -1, -1)
-        x = F.interpolate(x, size=(self.size, self.size), mode="bicubic", align_corners=False)
-        return ((x + 1) / 2 - self.mean) / self.std
+        return encoder_pixels(x, self.size, self.mean, self.std)
 
     def embed(self, x: torch.Tensor, normalize: bool = False) -> torch.Tensor:
         """Projected image embeddings [B, D] (L2-normalised if asked)."""
@@ -71,12 +67,29 @@ class ClipImageEncoder:
         return self.embed(x, normalize=True) @ self.embed_text(prompts).T
 
 
-def _stats(folder: Path) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    for f in (folder / "preprocessor_config.json", folder.parent / "feature_extractor" / "preprocessor_config.json"):
+def encoder_pixels(x: torch.Tensor, size: int, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Images in [-1, 1] ([B, 1 or 3, H, W]) as an encoder takes them: RGB, ``size`` x ``size`` (bicubic),
+    standardised by its ``mean`` and ``std`` ([1, 3, 1, 1], whose device and dtype they take)."""
+    if x.ndim != 4 or x.shape[1] not in (1, 3):
+        raise ConfigError(f"images must be [B, 3, H, W] in [-1, 1], got shape {tuple(x.shape)}")
+    x = x.to(mean.device, mean.dtype).expand(-1, 3, -1, -1)
+    x = F.interpolate(x, size=(size, size), mode="bicubic", align_corners=False)
+    return ((x + 1) / 2 - mean) / std
+
+
+def preprocessor_stats(files: Sequence[Path], mean: tuple[float, ...], std: tuple[float, ...]
+                       ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(image_mean, image_std) of the first preprocessor_config.json of ``files`` there, else the defaults."""
+    for f in files:
         if f.is_file():
             cfg = json.loads(f.read_text())
-            return tuple(cfg.get("image_mean", CLIP_MEAN)), tuple(cfg.get("image_std", CLIP_STD))
-    return CLIP_MEAN, CLIP_STD
+            return tuple(cfg.get("image_mean", mean)), tuple(cfg.get("image_std", std))
+    return mean, std
+
+
+def _stats(folder: Path) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    return preprocessor_stats([folder / "preprocessor_config.json",
+                               folder.parent / "feature_extractor" / "preprocessor_config.json"], CLIP_MEAN, CLIP_STD)
 
 
 def load_image_encoder(source: str, revision: str | None, device: torch.device, dtype: torch.dtype) -> ClipImageEncoder:

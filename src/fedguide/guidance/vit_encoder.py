@@ -15,15 +15,13 @@ embedding sees the whole image and draws nothing from torch's random streams.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
+from fedguide.guidance.image_encoder import encoder_pixels, preprocessor_stats
 from fedguide.guidance.sources import MODEL_FILES, GuidanceLoadError, fingerprint, resolve_source
-from fedguide.registry import ConfigError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -45,11 +43,7 @@ class ViTImageEncoder:
         return int(self.model.config.hidden_size)
 
     def preprocess(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 4 or x.shape[1] not in (1, 3):
-            raise ConfigError(f"images must be [B, 3, H, W] in [-1, 1], got shape {tuple(x.shape)}")
-        x = x.to(self.device, self.dtype).expand(-1, 3, -1, -1)
-        x = F.interpolate(x, size=(self.size, self.size), mode="bicubic", align_corners=False)
-        return ((x + 1) / 2 - self.mean) / self.std
+        return encoder_pixels(x, self.size, self.mean, self.std)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """[B, hidden_size]: the class token or the mean patch token of the last layer."""
@@ -64,11 +58,7 @@ class ViTImageEncoder:
 
 
 def _stats(folder: Path) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    f = folder / "preprocessor_config.json"
-    if f.is_file():
-        cfg = json.loads(f.read_text())
-        return tuple(cfg.get("image_mean", IMAGENET_MEAN)), tuple(cfg.get("image_std", IMAGENET_STD))
-    return IMAGENET_MEAN, IMAGENET_STD
+    return preprocessor_stats([folder / "preprocessor_config.json"], IMAGENET_MEAN, IMAGENET_STD)
 
 
 def load_vit_encoder(source: str, revision: str | None, device: torch.device, dtype: torch.dtype,
