@@ -68,7 +68,12 @@ def test_a_killed_repa_run_resumes_to_the_same_files(tmp_path, monkeypatch):
     clean = pt.pretrain(tmp_path / "clean", settings, quiet=True, threads=1)
     partial = kill_before_writing(pt, monkeypatch, tmp_path / "resumed", settings)
     assert "heads" in json.dumps(_metadata(partial / "unet.safetensors"))  # the heads are checkpointed
+    assert (partial / "repa_targets.safetensors").is_file()
+    # The targets are read back, not computed again: the backbone is not run on the resumed start.
+    from fedguide.guidance.embedded.pretrain import repa
+    monkeypatch.setattr(repa, "ImageBackbone", lambda *a, **k: pytest.fail("the alignment targets were recomputed"))
     resumed = pt.pretrain(tmp_path / "resumed", settings, quiet=True, threads=1)
+    assert not partial.exists()  # removed with everything else once the models are written
     log = [json.loads(line) for line in (resumed / "train_log.jsonl").read_text().splitlines()]
     assert [row["resumed_at"] for row in log if "resumed_at" in row] == [2]
     for name in card_hashes(clean):

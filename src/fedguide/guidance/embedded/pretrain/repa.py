@@ -6,7 +6,8 @@ image by a cosine loss, averaged over positions and blocks:
 
     loss = mse(ε̂, ε) + repa_weight * (1 - cos(head(h), target))
 
-Targets (``repa_target``), computed once per pool image (deterministic: a resumed run recomputes them):
+Targets (``repa_target``), computed once per pool image and kept in the partial folder until the models
+are written (a run started again reads them; recomputing would give the same values):
 - ``effnet``: the ImageNet EfficientNet-Lite0 feature map (1280 channels; 4 x 4 at the CLIP stage's
   ``clip_image_size`` of 128 px), average-pooled or bilinearly resized to the block's grid;
 - ``clip``: the image's mini-CLIP embedding (its image token), the same at every position.
@@ -16,11 +17,15 @@ written UNet is an ordinary ``UNet2DConditionModel``, so the loader and the meth
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 from fedguide.guidance.embedded.backbones import IMAGE_FEATURES, ImageBackbone
-from fedguide.guidance.embedded.pretrain.settings import PretrainSettings
+from fedguide.guidance.embedded.pretrain.partial import load_stage, save_atomic
+from fedguide.guidance.embedded.pretrain.settings import PretrainSettings, stage_key
 from fedguide.guidance.progress import progress
 
 HEAD_WIDTH = 256
@@ -62,17 +67,26 @@ def build_heads(s: PretrainSettings, context_dim: int) -> AlignHeads:
 
 
 def alignment_targets(images: torch.Tensor, image_tokens: torch.Tensor, s: PretrainSettings,
-                      quiet: bool) -> torch.Tensor:
-    """[N, D, g, g] per pool image: the backbone's feature map, or the image token as a 1 x 1 map."""
+                      quiet: bool, cache: Optional[Path] = None) -> torch.Tensor:
+    """[N, D, g, g] per pool image: the backbone's feature map, or the image token as a 1 x 1 map.
+    With ``cache`` (a stage file of the partial folder) the feature maps are computed once per settings:
+    a run started again reads them instead of running the backbone over the pool again."""
     if s.repa_target == "clip":
         return image_tokens[:, :, None, None]
+    key = stage_key(s, "repa_target", "clip_image_size")  # the pool (common keys) and the backbone's input
+    done = load_stage(cache, key) if cache is not None else None
+    if done is not None and tuple(done["targets"].shape[:1]) == (len(images),):
+        return done["targets"]
     backbone = ImageBackbone(s.clip_image_size)
     maps = []
     with progress(len(images), "alignment targets", enabled=not quiet) as advance, torch.no_grad():
         for start in range(0, len(images), 256):
             maps.append(backbone.feature_map(images[start:start + 256]))
             advance(len(maps[-1]))
-    return torch.cat(maps)
+    targets = torch.cat(maps)
+    if cache is not None:
+        save_atomic({"key": key, "targets": targets}, cache)
+    return targets
 
 
 def resized(target: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

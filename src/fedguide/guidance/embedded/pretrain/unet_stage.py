@@ -155,13 +155,19 @@ def _smoothed(running: Optional[dict], terms: dict[str, torch.Tensor]) -> dict[s
     return values if running is None else {k: 0.98 * running[k] + 0.02 * v for k, v in values.items()}
 
 
+def targets_file(checkpoint: Optional[Path]) -> Optional[Path]:
+    """The alignment targets' stage file, beside the UNet checkpoint in the partial folder."""
+    return None if checkpoint is None else checkpoint.with_name("repa_targets.safetensors")
+
+
 def train_unet(pool: Pool, lat_mean, lat_std, tokens, empty_tokens, image_tokens, s: PretrainSettings, log: Log,
                quiet: bool, checkpoint: Optional[Path] = None, checkpoint_every: int = 250):
     training = _start(s, tokens.shape[-1])
     ddpm, batch_at = noise_scheduler(), _batches(pool, s)
     inputs = Inputs(pool.labels, lat_mean, lat_std, tokens, empty_tokens, image_tokens)
     align = (None if training.heads is None else
-             Alignment(training.heads, alignment_targets(pool.images, image_tokens, s, quiet), s.repa_layers))
+             Alignment(training.heads, alignment_targets(pool.images, image_tokens, s, quiet, targets_file(checkpoint)),
+                       s.repa_layers))
     # The UNet is trained on the CLIP stage's image tokens and the VAE's latents: a checkpoint made
     # on other ones (or with other alignment settings) must not be continued.
     key = stage_key(s, "unet", "ema", "p_drop", "clip", "vae", "repa")
