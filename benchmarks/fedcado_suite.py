@@ -16,9 +16,9 @@ images are on disk), a missing one started. FedCADO MD and SD train on the FT ru
 reuses the homogeneous SD_Gen set (text-only images do not depend on the clients).
 
     .venv/bin/python benchmarks/fedcado_suite.py [--out runs/fedcado] [--scenarios digits fmnist]
-        [--seeds 0 1 2] [--hetero-seeds 0] [--only-report]
+        [--seeds 0 1 2] [--hetero-seeds 0] [--only-report] [--results DIR]
 
-Writes benchmarks/results/fedcado/: <scenario>.md (tables), throughput.md, hetero_<scenario>.md,
+Writes to benchmarks/results/fedcado/ (or --results): <scenario>.md (tables), throughput.md, hetero_<scenario>.md,
 results.json (every number the tables show) and grids/<scenario>/ (seed 0's synthetic-image grids, one
 PNG per client, FedCADO and SD_Gen).
 """
