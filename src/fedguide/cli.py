@@ -392,6 +392,10 @@ def _add_pretrain(sub) -> None:
     pre.add_argument("--repa-target", dest="repa_target", choices=("effnet", "clip"), default=None,
                      help="alignment target: the frozen EfficientNet-Lite0 feature map of the clean image (effnet, "
                           "default) or its mini-CLIP embedding (clip)")
+    pre.add_argument("--unet-channels", dest="unet_channels", default=None,
+                     type=lambda v: tuple(int(c) for c in v.split(",") if c.strip()),
+                     help="comma-separated channels of the UNet's levels (default 64,128,128,128; a larger UNet "
+                          "costs more per step and a larger file)")
     pre.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     pre.add_argument("--quiet", action="store_true")
     pre.set_defaults(func=_pretrain_guidance)

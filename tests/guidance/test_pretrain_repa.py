@@ -105,6 +105,8 @@ def test_a_checkpoint_without_alignment_is_not_continued_with_it(tmp_path, monke
     (dict(repa_layers=("up.4",)), "repa_layers needs UNet blocks among mid, down.0..down.3, up.0..up.3"),
     (dict(repa_layers=("decoder",)), "repa_layers needs UNet blocks"),
     (dict(repa_layers=()), "repa_layers needs UNet blocks"),
+    (dict(unet_channels=(64, 120, 128)), "unet_channels needs 2 to 4 levels of positive multiples of 16"),
+    (dict(unet_channels=(64, 128, 128, 128, 128)), "unet_channels needs 2 to 4 levels"),
 ])
 def test_bad_alignment_settings_are_refused(change, message):
     from fedguide.guidance.embedded.pretrain.settings import PretrainSettings
@@ -122,6 +124,9 @@ def test_the_cli_passes_the_alignment_options_and_refuses_bad_ones(tmp_path, cap
     assert main(["pretrain-guidance", "--out", str(tmp_path / "m"), "--repa-weight", "0.5", "--repa-layers",
                  "mid, up.1", "--repa-target", "clip"]) == 0
     assert (seen["s"].repa_weight, seen["s"].repa_layers, seen["s"].repa_target) == (0.5, ("mid", "up.1"), "clip")
+    seen.clear()
+    assert main(["pretrain-guidance", "--out", str(tmp_path / "m"), "--unet-channels", "96,192,192"]) == 0
+    assert seen["s"].unet_channels == (96, 192, 192)
     assert main(["pretrain-guidance", "--out", str(tmp_path / "m"), "--repa-layers", "up.7"]) != 0
     assert "repa_layers needs UNet blocks" in capsys.readouterr().err
 

@@ -58,6 +58,10 @@ class PretrainSettings:
         if share is not None and (len(share) != len(DATASETS) or min(share) < 0 or abs(sum(share) - 1) > 1e-6):
             raise ValueError(f"unet_dataset_share needs one non-negative share per dataset {DATASETS} summing to 1 "
                              f"(or None for uniform batches), got {tuple(share)}")
+        channels = tuple(self.unet_channels)
+        # 8 x 8 latents halve at each level but the last; GroupNorm(16) and 8-channel attention heads.
+        if not 2 <= len(channels) <= 4 or any(c <= 0 or c % 16 for c in channels):
+            raise ValueError(f"unet_channels needs 2 to 4 levels of positive multiples of 16 channels, got {channels}")
         self._check_repa()
 
     def _check_repa(self) -> None:
