@@ -9,8 +9,10 @@ see the config), SemanticFL; seeds 0-2.
 
 Outputs, under benchmarks/results/diffusion_methods/:
 - ``<scenario>/`` the ``fedguide report`` of its runs (table with final and best accuracy, curves);
-- ``table.md``: final accuracy mean ± sample std over the seeds, per scenario and method, and the gain
-  over FedAvg;
+- ``table.md``: per scenario and method, the mean accuracy of the last 4 rounds (the statistic compared:
+  under strong label skew the accuracy swings from round to round) and the final accuracy, mean ± sample
+  std over the seeds; the paired difference of each against FedAvg per seed, its bootstrap interval and
+  whether it is beyond the seed spread; the best accuracy (optimistic);
 - ``overhead.md``: per scenario and seed, the mean round time of FedDifRC and SemanticFL divided by
   FedAvg's from this same suite (target <= 1.2; the paper's FedDifRC costs 1.48x FedAvg), with the
   one-off feature extraction (their setup, before round 1) reported separately;
@@ -22,6 +24,7 @@ feature caches are shared through guidance.feature_cache, so each seed's feature
 
     .venv/bin/python benchmarks/diffusion_methods_suite.py [--out runs/diffusion_methods] [--seeds 0 1 2]
         [--scenarios dir0.05 dir0.2 nid2 lt10] [--methods fedavg moon fedrcl feddifrc semanticfl]
+        [--set guidance.model=DIR ...] [--results DIR]
 """
 from __future__ import annotations
 
@@ -35,6 +38,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _runs import cli, ensure_run, mean_std, seed_note, summary  # noqa: E402
+
+from fedguide.core.atomic import write_text  # noqa: E402
+from fedguide.report.paired import bootstrap_interval  # noqa: E402
 
 CONFIG = REPO / "configs/feddifrc_fmnist.yaml"
 RESULTS = REPO / "benchmarks" / "results" / "diffusion_methods"
@@ -53,7 +59,7 @@ METHODS = {
     "semanticfl": ["method.name=semanticfl"],
 }
 GUIDED = ("feddifrc", "semanticfl")
-TAIL = 5  # rounds averaged in the last-rounds table
+TAIL = 4  # rounds averaged in the last-rounds table (an even number: both phases of a period-2 swing)
 
 
 def registered() -> set[str]:
@@ -89,29 +95,57 @@ def metric_table(title: str, value, summaries: dict, scenarios: list[str], metho
     return lines
 
 
-def write_tables(runs: dict, scenarios: list[str], methods: list[str], seeds: list[int]) -> None:
-    summaries = {key: summary(path) for key, path in runs.items()}  # each summary.json read once
-    final = metric_table("# Final accuracy (%), mean ± sample std over seeds " + ", ".join(map(str, seeds)),
-                         lambda r: r["final_accuracy"], summaries, scenarios, methods, seeds)
-    gains = ["", "## Gain over FedAvg (points, mean over seeds, paired on each seed's partition)", "",
-             "| scenario | " + " | ".join(m for m in methods if m != "fedavg") + " |",
-             "|---|" + "---|" * (len(methods) - 1)]
+def last_mean(r: dict) -> float:
+    return statistics.fmean(r["accuracy_curve"][-TAIL:])
+
+
+def paired_cell(diffs: list[float], seeds: int) -> str:
+    """'mean Δ [bootstrap interval] (per-seed Δ) verdict' in points; the verdict says whether every seed's
+    difference has the mean's sign and the interval excludes 0 (beyond the seed spread) or not."""
+    if not diffs:
+        return "—"
+    mean = statistics.fmean(diffs)
+    ci = bootstrap_interval(diffs)
+    interval = f" [{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}]" if ci else ""
+    beyond = ci is not None and (ci[0] > 0 or ci[1] < 0) and all((d > 0) == (mean > 0) and d != 0 for d in diffs)
+    verdict = (" **beyond spread**" if beyond else " within spread") if ci else ""
+    per_seed = ", ".join(f"{100 * d:+.2f}" for d in diffs)
+    return f"{100 * mean:+.2f}{interval} ({per_seed}){verdict}{seed_note(len(diffs), seeds)}"
+
+
+def gains_table(title: str, value, summaries: dict, scenarios: list[str], methods: list[str],
+                seeds: list[int]) -> list[str]:
+    others = [m for m in methods if m != "fedavg"]
+    lines = ["", title, "", "| scenario | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
     for sc in scenarios:
-        cells = []
-        for m in methods:
-            if m == "fedavg":
-                continue
-            paired = [summaries[sc, m, s]["final_accuracy"] - summaries[sc, "fedavg", s]["final_accuracy"]
-                      for s in seeds if (sc, m, s) in summaries and (sc, "fedavg", s) in summaries]
-            cells.append(f"{100 * statistics.mean(paired):+.2f}{seed_note(len(paired), len(seeds))}" if paired else "—")
-        gains.append(f"| {sc} | " + " | ".join(cells) + " |")
-    # At Dirichlet 0.05 the global accuracy swings by several points from one round to the next, so one
-    # round's number is noisy; the mean of the last rounds is reported beside it (not instead of it).
-    tail = metric_table(f"\n## Mean accuracy of the last {TAIL} rounds (%), mean ± sample std over seeds",
-                        lambda r: statistics.mean(r["accuracy_curve"][-TAIL:]), summaries, scenarios, methods, seeds)
+        cells = [paired_cell([value(summaries[sc, m, s]) - value(summaries[sc, "fedavg", s]) for s in seeds
+                              if (sc, m, s) in summaries and (sc, "fedavg", s) in summaries], len(seeds))
+                 for m in others]
+        lines.append(f"| {sc} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_tables(runs: dict, scenarios: list[str], methods: list[str], seeds: list[int], results: Path) -> None:
+    summaries = {key: summary(path) for key, path in runs.items()}  # each summary.json read once
+    seed_list = ", ".join(map(str, seeds))
+    # Under strong label skew the global accuracy swings from one round to the next (period 2, several
+    # points at Dirichlet 0.05), so one round's number is noisy: the mean of the last rounds is the
+    # statistic compared, the final round beside it.
+    tail = metric_table(f"# Mean accuracy of the last {TAIL} rounds (%), mean ± sample std over seeds {seed_list}",
+                        last_mean, summaries, scenarios, methods, seeds)
+    final = metric_table("\n## Final accuracy (%), mean ± sample std over seeds", lambda r: r["final_accuracy"],
+                         summaries, scenarios, methods, seeds)
+    note = ("Δ in points against FedAvg, per seed between runs of the same seed (same partition, initial "
+            "weights and clients each round); shown: the mean, a 95 % percentile bootstrap interval of it "
+            "(10,000 resamples, numpy seed 0; coarse with 3 seeds), the per-seed differences in seed order, and "
+            "'beyond spread' when every seed's difference has the mean's sign and the interval excludes 0.")
+    gains_tail = gains_table(f"## Paired difference against FedAvg, mean of the last {TAIL} rounds", last_mean,
+                             summaries, scenarios, methods, seeds)
+    gains_final = gains_table("## Paired difference against FedAvg, final round", lambda r: r["final_accuracy"],
+                              summaries, scenarios, methods, seeds)
     best = metric_table("\n## Best accuracy over rounds (%; picked on the test set, so optimistic), mean ± sample std",
                         lambda r: r["best_accuracy"], summaries, scenarios, methods, seeds)
-    (RESULTS / "table.md").write_text("\n".join(final + gains + tail + best) + "\n")
+    write_text(results / "table.md", "\n".join(tail + final + ["", note] + gains_tail + gains_final + best) + "\n")
 
     rows = ["# Round time relative to FedAvg (same suite, same machine)", "",
             "Mean round seconds of the method divided by FedAvg's on the same scenario and seed",
@@ -131,7 +165,7 @@ def write_tables(runs: dict, scenarios: list[str], methods: list[str], seeds: li
                     extract = extraction_seconds(runs[sc, m, s], m)
                     rows.append(f"| {sc} | {s} | {m} | {own:.2f} | {base:.2f} | {own / base:.2f} | "
                                 f"{'—' if extract is None else f'{extract:.1f}'} |")
-    (RESULTS / "overhead.md").write_text("\n".join(rows) + "\n")
+    write_text(results / "overhead.md", "\n".join(rows) + "\n")
 
 
 def main() -> None:
@@ -142,6 +176,10 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--report-only", action="store_true", help="write the tables from the finished runs only")
     ap.add_argument("--cache", type=Path, default=None, help="guidance.feature_cache (default: the usual cache)")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="where the tables go (a sub-folder keeps the published ones, e.g. for other guidance models)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="overrides given to every run (e.g. guidance.model=DIR for other guidance models)")
     args = ap.parse_args()
     known = registered()
     methods = [m for m in args.methods if m in known]
@@ -152,24 +190,24 @@ def main() -> None:
     for seed in [] if args.report_only else args.seeds:  # seed-major: each seed's features are extracted once, early
         for sc in args.scenarios:
             for m in methods:
-                run(args.out / sc / f"{m}-s{seed}", SCENARIOS[sc] + METHODS[m] + cache +
-                                        [f"seed={seed}"])
-    RESULTS.mkdir(parents=True, exist_ok=True)
+                run(args.out / sc / f"{m}-s{seed}", SCENARIOS[sc] + METHODS[m] + cache + [f"seed={seed}", *args.set])
+    results = args.results
+    results.mkdir(parents=True, exist_ok=True)
     # The tables hold every finished run on disk: the costlier baselines may have been run on fewer seeds
     # by another invocation (--methods moon fedrcl --seeds 0); each cell says how many seeds it has.
     runs = finished(args.out, args.scenarios, args.seeds)
     methods = [m for m in METHODS if any(key[1] == m for key in runs)]
     for sc in args.scenarios:
         paths = [str(runs[sc, m, s]) for m in methods for s in args.seeds if (sc, m, s) in runs]
-        cli("report", *paths, "--out", RESULTS / sc)
-    write_tables(runs, args.scenarios, methods, args.seeds)
+        cli("report", *paths, "--out", results / sc)
+    write_tables(runs, args.scenarios, methods, args.seeds, results)
     argv = [".venv/bin/python", "benchmarks/diffusion_methods_suite.py", *sys.argv[1:]]
     # Every invocation that fed the tables is recorded (the baselines may come from a separate one).
-    log = RESULTS / "commands.txt"
+    log = results / "commands.txt"
     commands = log.read_text().splitlines() if log.is_file() else []
     command = " ".join(shlex.quote(a) for a in argv)
     if command not in commands:
-        log.write_text("\n".join(commands + [command]) + "\n")
+        write_text(log, "\n".join(commands + [command]) + "\n")
     # README.md there (the reading of the tables) is written by hand: a rerun must not overwrite it.
 
 
