@@ -218,6 +218,8 @@ def main() -> None:
                         runs[row].append(out)
                 classes[seed] = client_classes(root, seed)
             runs = {r: paths for r, paths in runs.items() if len(paths) == len(seeds)}
+            if not runs:  # nothing finished for this scenario here: no empty table
+                continue
             results: dict[str, Any] = {}
             title = f"{scenario} ({kind}{', heterogeneous client models' if hetero else ''})"
             text = table(title, kind, runs, classes, seeds, results) + ordering_note(results)
