@@ -86,17 +86,17 @@ def test_personal_every_and_refusals(tmp_path):
         prepare(tiny_config(method={"name": "zero_shot"}, eval={"mode": "personal"}))
 
 
-# The methods of this family that keep something on their clients between rounds. Worker processes for
-# each; Flower's actors for one method of each state code (FedPer's is FedRep's split federation).
-STATEFUL = [{"name": "fedrep", "head_epochs": 1}, {"name": "fedper"}, {"name": "fedala"}, {"name": "fedema"}]
+# Methods of this family that keep something on their clients between rounds, one per state code (FedPer's
+# is FedRep's split federation). Every method also runs in worker processes in tests/fl/test_workers.py.
+FEDREP = {"name": "fedrep", "head_epochs": 1}
 POOL = {"name": "local", "workers": 2, "threads_per_worker": 1}
 SIM = {"name": "flower-sim", "threads_per_worker": 1}
 PFL = {"eval": {"mode": "both"}, "clients": {"num": 4, "per_round": 2}, "train": {"rounds": 2}}
 
 
-@pytest.mark.parametrize("runtime, method", [(POOL, m) for m in STATEFUL] + [
-    pytest.param(SIM, m, marks=pytest.mark.e2e) for m in STATEFUL if m["name"] != "fedper"],
-    ids=[f"pool-{m['name']}" for m in STATEFUL] + [f"flower-sim-{m['name']}" for m in STATEFUL if m["name"] != "fedper"])
+@pytest.mark.parametrize("runtime, method", [(POOL, FEDREP)] + [
+    pytest.param(SIM, m, marks=pytest.mark.e2e) for m in (FEDREP, {"name": "fedala"}, {"name": "fedema"})],
+    ids=["pool-fedrep", "flower-sim-fedrep", "flower-sim-fedala", "flower-sim-fedema"])
 def test_a_personalised_method_scores_alike_on_every_runtime(tmp_path, runtime, method):
     # Their state lives in client state on disk, written by worker processes or Flower's actors and read back.
     layers = {**PFL, "method": method}
