@@ -409,6 +409,7 @@ def test_a_run_stopped_mid_generation_resumes_after_its_last_finished_batch(digi
     monkeypatch.setattr(samplers, "sample", lambda *a, **k: counted.append(1) or real(*a, **k))
     _, rows, run_dir = run_tiny(tmp_path, cfg, name="stopped", resume=True)
     assert len(counted) == ref_rows[0]["generated_images"] - 3  # one image a batch: the first three were kept
+    assert rows[0]["reused_images"] == 3 and ref_rows[0]["reused_images"] == 0
     assert rows[0]["accuracy"] == ref_rows[0]["accuracy"] and rows[0]["head_train_loss"] == ref_rows[0]["head_train_loss"]
     a, b = load_file(ref_dir / "feddisc_samples.safetensors"), load_file(run_dir / "feddisc_samples.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -228,6 +228,7 @@ class FedDISC(CentroidOneShot):
         cache = GenerationCache(self.run.run_dir / GENERATION_DIR)
         guidance = self.run.config.guidance.model_dump(mode="json")
         gen_feats, gen_labels, grid, grid_labels, grid_clients = [], [], [], [], []
+        reused = 0  # images of batches a stopped run had finished (not counted in generation_seconds)
         with progress(len(plan.labels), "generating", enabled=len(plan.labels) >= PROGRESS_FROM) as advance:
             for j in sorted(set(plan.labels.tolist())):
                 rows = torch.nonzero(plan.labels == j).flatten()
@@ -247,6 +248,7 @@ class FedDISC(CentroidOneShot):
                                      "level": level, "shown": shown, "guidance": guidance},
                                     {f"condition{i}": c for i, (_, c) in enumerate(pairs)})
                     done = cache.load((j, chunk), key)
+                    reused += 0 if done is None else len(part)
                     if done is None:
                         images = sample(model, [prompts[j]] * len(part), config,
                                         composed_conditions(model, context, pairs, **level)).images
@@ -272,5 +274,6 @@ class FedDISC(CentroidOneShot):
             save_grid(grid, self.run.run_dir / "feddisc_samples.png")
             save_samples(grid, grid_labels, grid_clients, self.run.run_dir / SAMPLES_FILE)
         cache.remove()
-        return head, {"generated_images": int(len(plan.labels)), "head_train_samples": int(len(y)), **extra,
+        return head, {"generated_images": int(len(plan.labels)), "reused_images": reused,
+                      "head_train_samples": int(len(y)), **extra,
                       "generation_seconds": generation_seconds, "head_train_loss": loss}
