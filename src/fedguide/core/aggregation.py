@@ -25,3 +25,12 @@ def weighted_average(vectors: Sequence[torch.Tensor], weights: Sequence[float]) 
 def sample_weighted_average(vectors: Sequence[torch.Tensor], num_samples: Sequence[int]) -> torch.Tensor:
     """FedAvg (McMahan et al. 2017): weights proportional to each client's training-set size."""
     return weighted_average(vectors, [float(n) for n in num_samples])
+
+
+def average_leading_part(global_weights: torch.Tensor, parts: Sequence[torch.Tensor],
+                         num_samples: Sequence[int]) -> torch.Tensor:
+    """A copy of ``global_weights`` whose first ``len(parts[0])`` entries (a shared body uploaded alone)
+    are the sample-weighted average of ``parts``; the rest (a head kept elsewhere) is unchanged."""
+    out = global_weights.clone()
+    out[: parts[0].numel()] = sample_weighted_average(parts, num_samples)
+    return out

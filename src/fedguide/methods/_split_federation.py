@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fedguide.core.aggregation import sample_weighted_average
+from fedguide.core.aggregation import average_leading_part
 from fedguide.methods._personalise import mean_client_metrics
 from fedguide.methods.base import Method
 
@@ -43,10 +43,8 @@ class SplitFederation(Method):
         return {"shared": flat[:start], "num_samples": len(ctx.data)}
 
     def aggregate(self, round_, global_weights, uploads):
-        out = global_weights.clone()
-        out[: self.personal_start()] = sample_weighted_average([u["shared"] for u in uploads],
-                                                               [u["num_samples"] for u in uploads])
-        return out
+        return average_leading_part(global_weights, [u["shared"] for u in uploads],
+                                    [u["num_samples"] for u in uploads])
 
     def personal_model(self, round_, client_id, global_weights):
         return torch.cat([global_weights[: self.personal_start()],

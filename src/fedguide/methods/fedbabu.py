@@ -32,7 +32,7 @@ from typing import Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedguide.core.aggregation import sample_weighted_average
+from fedguide.core.aggregation import average_leading_part
 from fedguide.methods._personalise import fine_tune, head_span
 from fedguide.methods.base import METHODS, Method
 
@@ -66,10 +66,8 @@ class FedBABU(Method):
         return {"body": self.run.layout.flatten(model)[: self.body_end()], "num_samples": len(ctx.data)}
 
     def aggregate(self, round_, global_weights, uploads):
-        out = global_weights.clone()
-        out[: self.body_end()] = sample_weighted_average([u["body"] for u in uploads],
-                                                         [u["num_samples"] for u in uploads])
-        return out
+        return average_leading_part(global_weights, [u["body"] for u in uploads],
+                                    [u["num_samples"] for u in uploads])
 
     def personal_model(self, round_, client_id, global_weights):
         train = self.run.config.train
