@@ -57,3 +57,33 @@ def test_personalisation_fine_tunes_the_part_asked_for(tmp_path, part, body_move
     assert (not torch.equal(personal[head], glob[head])) == head_moves
     assert torch.equal(method.personal_model(1, 2, glob), personal)  # seeded by (seed, round, client)
     assert all(p.requires_grad for p in ctx.model.parameters())  # nothing is left frozen
+
+
+def test_head_fine_tuning_on_features_computed_once_equals_fine_tuning_through_the_frozen_body(tmp_path,
+                                                                                              monkeypatch):
+    import fedguide.methods._personalise as personalise
+    ctx, method = opened(tmp_path, {"name": "fedbabu", "finetune_epochs": 3, "finetune_part": "head"})
+    assert personalise.features_reusable(ctx.model, type("C", (), {"device_data": ctx.device_data})())
+    passes = []
+    hook = ctx.model.encoder.register_forward_hook(lambda *_: passes.append(1))
+    glob = ctx.initial_weights.clone()
+    fast = method.personal_model(2, 1, glob)
+    fast_passes = len(passes)
+    monkeypatch.setattr(personalise, "features_reusable", lambda *_: False)
+    slow = method.personal_model(2, 1, glob)
+    hook.remove()
+    assert torch.allclose(fast, slow, atol=1e-6) and not torch.equal(fast, glob)
+    assert fast_passes < len(passes) - fast_passes  # the body ran once over the data, not once per epoch
+
+
+def test_features_are_not_reused_where_the_body_depends_on_the_batch_or_draws_noise(tmp_path):
+    from torch import nn
+
+    from fedguide.methods._personalise import features_reusable
+    from fedguide.models.split import SplitModel
+    plain = type("C", (), {"device_data": None})()
+    assert features_reusable(SplitModel(nn.Sequential(nn.Linear(4, 3), nn.ReLU()), nn.Linear(3, 2), 3), plain)
+    for layer in (nn.BatchNorm1d(3), nn.Dropout(0.1), nn.InstanceNorm1d(3, track_running_stats=True)):
+        assert not features_reusable(SplitModel(nn.Sequential(nn.Linear(4, 3), layer), nn.Linear(3, 2), 3), plain)
+    augmented = type("C", (), {"device_data": type("D", (), {"augment": lambda x: x})()})()
+    assert not features_reusable(SplitModel(nn.Sequential(nn.Linear(4, 3)), nn.Linear(3, 2), 3), augmented)

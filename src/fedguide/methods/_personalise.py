@@ -8,12 +8,17 @@ from typing import Any, Callable, Iterator, Literal
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.dropout import _DropoutNd
 
 from fedguide.core.evaluation import mean_metrics
 from fedguide.core.seeding import torch_generator
+from fedguide.core.device import autocast
 from fedguide.core.training import train_local
 from fedguide.core.weights import WeightLayout
+from fedguide.data.federated import ClientData
 from fedguide.methods.context import ClientContext, RunContext
+from fedguide.models.split import SplitModel
 from fedguide.registry import ConfigError
 
 Part = Literal["full", "head", "body"]
@@ -85,9 +90,41 @@ def fine_tune(run: RunContext, client_id: int, round_: int, weights: torch.Tenso
                         device_data=run.device_data)
     keep = {"full": "none", "head": "body", "body": "head"}[part]
     with torch.random.fork_rng(devices=[]), frozen(model, keep):
-        train_local(model, _CrossEntropy(), ctx, train, ctx.generator)
+        if part == "head" and features_reusable(model, ctx):
+            _fine_tune_head_on_features(model, ctx, train)
+        else:
+            train_local(model, _CrossEntropy(), ctx, train, ctx.generator)
     model.eval()
     return run.layout.flatten(model)
+
+
+def features_reusable(model: torch.nn.Module, ctx: ClientContext) -> bool:
+    """Whether a frozen body gives every training sample the same features in every pass: a plain SplitModel
+    whose body is made of torch.nn layers that map each sample alone and deterministically (no batch
+    statistics, no running statistics to update, no dropout) and inputs without ``train.augment``."""
+    if type(model) is not SplitModel or (ctx.device_data is not None and ctx.device_data.augment is not None):
+        return False
+    for module in model.encoder.modules():
+        if not type(module).__module__.startswith("torch.nn.") or isinstance(module, (_NormBase, _DropoutNd)):
+            return False
+        if isinstance(module, torch.nn.RNNBase) and module.dropout > 0:
+            return False
+    return True
+
+
+def _fine_tune_head_on_features(model: SplitModel, ctx: ClientContext, train: Any) -> None:
+    """Head-only fine-tuning with the body's features computed once instead of once per epoch: the same
+    batches in the same order (the client's samples renumbered 0..n-1 keep their places in every shuffle) and
+    the same optimiser on the head, so the result equals ``train_local`` on the whole model with the body frozen
+    (up to float rounding), at the cost of one pass of the body."""
+    idx = ctx.data.indices
+    chunk = max(train.batch_size, 256)
+    with torch.no_grad(), autocast(ctx.device, getattr(train, "precision", "fp32")):
+        feats = torch.cat([model.encoder(batch_at(ctx, idx[i: i + chunk])[0]) for i in range(0, len(idx), chunk)])
+    labels = ctx.data.y[idx].to(feats.device)
+    data = ClientData(ctx.client_id, torch.arange(len(idx)), feats.float(), labels, ctx.data.num_classes)
+    head_ctx = ClientContext(ctx.client_id, ctx.round, data, {}, {}, generator=ctx.generator)
+    train_local(model.head, _CrossEntropy(), head_ctx, train, head_ctx.generator)
 
 
 def batch_stream(indices: torch.Tensor, batch_size: int, generator: torch.Generator, min_size: int = 1
