@@ -136,6 +136,11 @@ class EvalConfig(Strict):
                                          "samples of its class (and domain)")
     personal_every: int = Field(
         1, ge=1, description="mode both: personal scores every this many rounds and at the last round")
+    client_classes: bool = Field(
+        False, description="also score the server's model on the test samples of each client's classes "
+                           "(client_class_accuracy: client id -> accuracy; FedCADO Table 2's per-client columns); a "
+                           "client's classes are those it has training samples of in the partition, before a "
+                           "method such as centralized pools the clients")
 
     @model_validator(mode="after")
     def _every(self) -> "EvalConfig":

@@ -53,10 +53,12 @@ def test_pivot_takes_per_domain_columns_and_other_metrics(grid):
 
 def test_per_client_columns_where_the_runs_report_them(tmp_path):
     d = make_run(tmp_path, "local", "local", 0, curve=CURVE,
-                 metrics_extra={"client_accuracy_min": 0.25, "client_accuracy_max": 0.75})
+                 metrics_extra={"client_accuracy_min": 0.25, "client_accuracy_max": 0.75,
+                                "client_class_accuracy": {"0": 0.3, "1": 0.6}})
     table = pivot_data([d], "method")
-    assert table.columns == ["method", "accuracy_last_k", "a", "b", "client min", "client max"]
-    assert [c.mean for c in table.rows[0][1:]] == pytest.approx([0.40, 0.40, 0.20, 0.25, 0.75])
+    assert table.columns == ["method", "accuracy_last_k", "a", "b", "client 0", "client 1", "client min",
+                             "client max"]
+    assert [c.mean for c in table.rows[0][1:]] == pytest.approx([0.40, 0.40, 0.20, 0.3, 0.6, 0.25, 0.75])
 
 
 def test_a_setting_that_is_no_axis_splits_rows_never_cells(grid, tmp_path):

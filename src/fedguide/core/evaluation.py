@@ -17,10 +17,11 @@ class Evaluator:
 
     def __init__(self, model: torch.nn.Module, layout: WeightLayout, x: torch.Tensor, y: torch.Tensor, batch_size: int,
                  domains: Optional[torch.Tensor] = None, domain_names: Optional[list[str]] = None,
-                 device_data: Any = None):
+                 device_data: Any = None, client_classes: Optional[dict[int, list[int]]] = None):
         self.model, self.layout, self.x, self.y, self.batch_size = model, layout, x, y, batch_size
         self.domains, self.domain_names = domains, domain_names
         self.device_data = device_data
+        self.client_classes = client_classes  # eval.client_classes: every score adds client_class_accuracy
 
     def _batches(self):
         """(inputs, labels) of the test set in order, where the model is."""
@@ -33,7 +34,8 @@ class Evaluator:
 
     def score(self, predictions: torch.Tensor, logits: Optional[torch.Tensor] = None) -> dict[str, Any]:
         """Accuracy of predicted labels for the whole test set, per domain too where the data has domains
-        (``domain_accuracy``: domain name -> accuracy); ``test_loss`` when logits are given."""
+        (``domain_accuracy``: domain name -> accuracy), per client's classes where the run asks for it
+        (``client_class_accuracy``); ``test_loss`` when logits are given."""
         correct = predictions.cpu() == self.y  # scored on the host, where the domain ids are
         out: dict[str, Any] = {"accuracy": float(correct.double().mean())}
         if logits is not None:
@@ -42,6 +44,8 @@ class Evaluator:
             out["domain_accuracy"] = {
                 name: float(correct[self.domains == d].double().mean())
                 for d, name in enumerate(self.domain_names) if bool((self.domains == d).any())}
+        if self.client_classes is not None:
+            out["client_class_accuracy"] = class_set_accuracy(correct, self.y, self.client_classes)
         return out
 
     @torch.no_grad()
@@ -86,15 +90,28 @@ class Evaluator:
         return hits
 
 
+def class_set_accuracy(correct: torch.Tensor, labels: torch.Tensor, class_sets: dict[int, list[int]]
+                       ) -> dict[str, float]:
+    """Accuracy on the test samples of each client's classes (FedCADO Table 2's per-client columns): client id
+    (as a string, as JSON keeps it) -> the share of ``correct`` among the samples whose label is one of the
+    client's; a client whose classes have no test sample is left out."""
+    out = {}
+    for cid, classes in class_sets.items():
+        mask = torch.isin(labels, torch.as_tensor(classes, dtype=labels.dtype))
+        if bool(mask.any()):
+            out[str(cid)] = float(correct[mask].double().mean())
+    return out
+
+
 def mean_metrics(per_model: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean over several models' test metrics (one model per client): every scalar, the per-domain
     accuracies too, plus the spread of accuracy over the models."""
     accs = [m["accuracy"] for m in per_model]
     out: dict[str, Any] = {k: statistics.fmean(m[k] for m in per_model)
                            for k, v in per_model[0].items() if isinstance(v, (int, float))}
-    if "domain_accuracy" in per_model[0]:
-        out["domain_accuracy"] = {d: statistics.fmean(m["domain_accuracy"][d] for m in per_model)
-                                  for d in per_model[0]["domain_accuracy"]}
+    for key in ("domain_accuracy", "client_class_accuracy"):
+        if key in per_model[0]:
+            out[key] = {d: statistics.fmean(m[key][d] for m in per_model) for d in per_model[0][key]}
     out["client_accuracy_min"], out["client_accuracy_max"] = min(accs), max(accs)
     return out
 

@@ -99,6 +99,9 @@ class FederatedData:
     # Each client's split of the test set (indices into the test tensors) for personalised evaluation;
     # None unless eval.mode scores personalised models.
     personal_test: Optional[list[np.ndarray]] = None
+    # Each client's classes in the partition (before a method's ``federation`` pools clients), for
+    # eval.client_classes; None unless asked for.
+    client_classes: Optional[dict[int, list[int]]] = None
 
     @property
     def num_clients(self) -> int:

@@ -297,7 +297,7 @@ class Experiment:
             "accuracy_last_k": float(np.mean(curve[-last_k:])),
             "last_k": last_k,
             "accuracy_curve": curve,
-            **({"domain_accuracy": metrics[-1]["domain_accuracy"]} if "domain_accuracy" in metrics[-1] else {}),
+            **{key: metrics[-1][key] for key in ("domain_accuracy", "client_class_accuracy") if key in metrics[-1]},
             "rounds_to_accuracy": {str(a): next((m["round"] for m in metrics if m["accuracy"] >= a), None)
                                    for a in self.cfg.report.rounds_to},
             "wall_seconds": wall,

@@ -99,7 +99,8 @@ def prepare(cfg: Config) -> Prepared:
         raise ConfigError(f"partition '{cfg.partition.name}' leaves the clients' data unlabeled, but method "
                           f"'{cfg.method.name}' trains on client labels; choose a method for unlabeled clients "
                           "or another partition")
-    client_indices = method_cls.federation([used[p] for p in part.clients])
+    partition = [used[p] for p in part.clients]
+    client_indices = method_cls.federation(partition)
     try:  # an architecture that cannot take these inputs is a config error, found before any run dir exists
         build_model(cfg.model.name, params["model"], splits.model_spec())
     except ValueError as err:
@@ -110,6 +111,8 @@ def prepare(cfg: Config) -> Prepared:
     data = FederatedData(splits, client_indices, public_indices=public,
                          server_indices=None if part.server is None else used[part.server],
                          clients_labeled=part.clients_labeled)
+    if cfg.eval.client_classes:
+        data.client_classes = {cid: np.unique(labels[idx]).tolist() for cid, idx in enumerate(partition)}
     if cfg.eval.mode != "global":
         if not method_cls.personal_evaluation:
             raise ConfigError(f"method '{cfg.method.name}' classifies without the run's model, so it has no "
@@ -150,7 +153,7 @@ def open_run(prepared: Prepared, run_dir: Path, setup: bool = False) -> tuple[Ru
         layout=layout,
         initial_weights=layout.flatten(model),
         evaluator=Evaluator(model, layout, splits.test_x, splits.test_y, train.eval_batch_size,
-                            splits.test_domains, splits.domain_names, device_data),
+                            splits.test_domains, splits.domain_names, device_data, prepared.data.client_classes),
         store=ClientStateStore(run_dir / "client_state"),
         server_store=ClientStateStore(run_dir / "server_state"),
         run_dir=run_dir,

@@ -46,7 +46,7 @@ from typing import Any, Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from fedguide.core.evaluation import Evaluator
+from fedguide.core.evaluation import Evaluator, class_set_accuracy
 from fedguide.core.seeding import derive_seed, torch_generator
 from fedguide.core.training import train_local
 from fedguide.core.weights import WeightLayout
@@ -266,10 +266,4 @@ def client_class_accuracy(predictions: torch.Tensor, labels: torch.Tensor,
     sets = list(client_classes.values())
     if len(sets) < 2 or all(s == sets[0] for s in sets):
         return {}
-    correct = predictions == labels
-    per = {}
-    for cid, classes in client_classes.items():
-        mask = torch.isin(labels, torch.tensor(classes, dtype=labels.dtype))
-        if bool(mask.any()):
-            per[str(cid)] = float(correct[mask].double().mean())
-    return {"client_class_accuracy": per}
+    return {"client_class_accuracy": class_set_accuracy(predictions == labels, labels, client_classes)}

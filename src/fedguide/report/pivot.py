@@ -19,7 +19,7 @@ from fedguide.report.tables import (LABELLED, Group, _under, describe_settings, 
                                     setting_value)
 
 # Per-round metrics shown as extra columns where present: dicts (one column per entry) and scalars.
-DICT_SERIES = {"domain_accuracy": "{}", "client_accuracy": "client {}"}
+DICT_SERIES = {"domain_accuracy": "{}", "client_class_accuracy": "client {}"}
 SCALAR_SERIES = {"client_accuracy_min": "client min", "client_accuracy_max": "client max"}
 
 
