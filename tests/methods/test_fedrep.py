@@ -2,25 +2,44 @@
 only the representation travels and is averaged; the head lives in the client's state."""
 import torch
 
+import fedguide.methods._personalise as personalise
 from fedguide.methods._personalise import head_span
 from pfl_cases import client_round, opened
 
 
 def test_head_epochs_then_body_epochs_each_with_the_other_part_frozen(tmp_path):
     ctx, method = opened(tmp_path, {"name": "fedrep", "head_epochs": 2, "body_epochs": 1})
-    phases = []
-    loss = method.local_loss
+    phases = []  # at every step's pass through the head: which parts train
 
-    def recording(model, x, y, cctx):
-        phases.append(("head" if model.head.weight.requires_grad else "") +
-                      ("body" if next(model.encoder.parameters()).requires_grad else ""))
-        return loss(model, x, y, cctx)
+    def recording(model, _):
+        if model.training:
+            phases.append(("head" if ctx.model.head.weight.requires_grad else "") +
+                          ("body" if next(ctx.model.encoder.parameters()).requires_grad else ""))
 
-    method.local_loss = recording
+    ctx.model.head.register_forward_pre_hook(recording)
     _, res = client_round(ctx, method, 0, 1, ctx.initial_weights)
     batches = -(-len(ctx.data.client(0)) // ctx.config.train.batch_size)  # ceil: one epoch's steps
     assert phases == ["head"] * (2 * batches) + ["body"] * batches
     assert res.loss is not None
+
+
+def test_the_head_phase_on_features_computed_once_equals_the_phase_through_the_fixed_representation(
+        tmp_path, monkeypatch):
+    passes = []
+
+    def one_round(name):
+        ctx, method = opened(tmp_path / name, {"name": "fedrep", "head_epochs": 3, "body_epochs": 1})
+        hook = ctx.model.encoder.register_forward_hook(lambda *_: passes.append(name))
+        upload, res = client_round(ctx, method, 0, 1, ctx.initial_weights)
+        hook.remove()
+        return upload["shared"], ctx.store.get(0, 1)["personal"], res.loss
+
+    fast = one_round("fast")
+    monkeypatch.setattr(personalise, "features_reusable", lambda *_: False)
+    slow = one_round("slow")
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fast[:2], slow[:2]))
+    assert abs(fast[2] - slow[2]) < 1e-5
+    assert passes.count("fast") < passes.count("slow") / 2  # 3 head epochs cost one pass of the body
 
 
 def test_the_head_never_leaves_the_client(tmp_path):

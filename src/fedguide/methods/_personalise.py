@@ -90,8 +90,8 @@ def fine_tune(run: RunContext, client_id: int, round_: int, weights: torch.Tenso
                         device_data=run.device_data)
     keep = {"full": "none", "head": "body", "body": "head"}[part]
     with torch.random.fork_rng(devices=[]), frozen(model, keep):
-        if part == "head" and features_reusable(model, ctx):
-            _fine_tune_head_on_features(model, ctx, train)
+        if part == "head":
+            train_head(model, ctx, train)
         else:
             train_local(model, _CrossEntropy(), ctx, train, ctx.generator)
     model.eval()
@@ -112,11 +112,16 @@ def features_reusable(model: torch.nn.Module, ctx: ClientContext) -> bool:
     return True
 
 
-def _fine_tune_head_on_features(model: SplitModel, ctx: ClientContext, train: Any) -> None:
-    """Head-only fine-tuning with the body's features computed once instead of once per epoch: the same
-    batches in the same order (the client's samples renumbered 0..n-1 keep their places in every shuffle) and
-    the same optimiser on the head, so the result equals ``train_local`` on the whole model with the body frozen
-    (up to float rounding), at the cost of one pass of the body."""
+def train_head(model: SplitModel, ctx: ClientContext, train: Any) -> tuple[float, int]:
+    """Cross-entropy training of ``model.head`` on the client's data with the body frozen (the caller freezes
+    it), batches drawn from ``ctx.generator``; (mean loss, steps) as ``train_local`` returns them.
+
+    Where ``features_reusable``, the body's features are computed once and the head trains on them instead of
+    running the body in every epoch: the same batches in the same order (the client's samples renumbered
+    0..n-1 keep their places in every shuffle), the same optimiser, the same generator draws, so the result
+    equals training through the frozen body up to float rounding, at the cost of one pass of the body."""
+    if not features_reusable(model, ctx):
+        return train_local(model, _CrossEntropy(), ctx, train, ctx.generator)
     idx = ctx.data.indices
     chunk = max(train.batch_size, 256)
     with torch.no_grad(), autocast(ctx.device, getattr(train, "precision", "fp32")):
@@ -124,7 +129,7 @@ def _fine_tune_head_on_features(model: SplitModel, ctx: ClientContext, train: An
     labels = ctx.data.y[idx].to(feats.device)
     data = ClientData(ctx.client_id, torch.arange(len(idx)), feats.float(), labels, ctx.data.num_classes)
     head_ctx = ClientContext(ctx.client_id, ctx.round, data, {}, {}, generator=ctx.generator)
-    train_local(model.head, _CrossEntropy(), head_ctx, train, head_ctx.generator)
+    return train_local(model.head, _CrossEntropy(), head_ctx, train, ctx.generator)
 
 
 def batch_stream(indices: torch.Tensor, batch_size: int, generator: torch.Generator, min_size: int = 1

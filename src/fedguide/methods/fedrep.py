@@ -17,7 +17,9 @@ Defaults and decisions:
   the default of ``train.epochs``; following the run's setting keeps FedRep's representation update as long as
   the other methods' local training under a shared protocol (FedDW: E = 5 for every method).
 - Both phases use the ``train`` section's optimiser settings (a fresh optimiser per phase, as the released code
-  builds one per call) and the plain cross-entropy of the method's ``local_loss``.
+  builds one per call) and plain cross-entropy. The head phase trains on the
+  fixed representation's features computed once per round, batch for batch as through φ, where that gives the
+  same result (no BatchNorm or dropout in φ, no ``train.augment``): one pass of φ instead of τ_h.
 - Representation averaging is sample-weighted (FedAvg's rule; the released code averages uniformly over the
   round's clients).
 - A client that has not trained yet starts from the run's seeded initial head.
@@ -32,7 +34,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.core.training import train_local
-from fedguide.methods._personalise import frozen, head_span
+from fedguide.methods._personalise import frozen, head_span, train_head
 from fedguide.methods._split_federation import SplitFederation
 from fedguide.methods.base import METHODS
 
@@ -57,7 +59,7 @@ class FedRep(SplitFederation):
         body = train if self.params.body_epochs is None else \
             train.model_copy(update={"epochs": self.params.body_epochs, "local_steps": None})
         with frozen(model, "body"):
-            head_loss, head_steps = train_local(model, self, ctx, self.local_train(head), ctx.generator)
+            head_loss, head_steps = train_head(model, ctx, self.local_train(head))
         with frozen(model, "head"):
             body_loss, body_steps = train_local(model, self, ctx, self.local_train(body), ctx.generator)
         ctx.steps = head_steps + body_steps
