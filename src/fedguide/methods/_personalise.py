@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.dropout import _DropoutNd
 
+from fedguide.core.device import autocast
 from fedguide.core.evaluation import mean_metrics
 from fedguide.core.seeding import torch_generator
-from fedguide.core.device import autocast
 from fedguide.core.training import train_local
 from fedguide.core.weights import WeightLayout
 from fedguide.data.federated import ClientData

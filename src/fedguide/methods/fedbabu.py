@@ -15,9 +15,9 @@ and the server averages the bodies; the global head stays the initial one.
 Personalisation (``eval.mode: personal | both``): each client fine-tunes the global model on its training data
 for ``finetune_epochs`` epochs (released code: ``--ft_ep 5``) with the ``train`` section's optimiser (learning
 rate ``finetune_lr``, default ``train.lr``); ``eval.finetune_steps`` does not apply. Fine-tuning the head alone
-computes the frozen body's features once per client and trains the head on them (``train_head``), batch for batch as through the
-body, wherever that gives the same result (a body without BatchNorm or dropout, no ``train.augment``): one pass
-of the body instead of one per epoch.
+computes the frozen body's features once per client and trains the head on them (``train_head``), batch for
+batch as through the body, wherever that gives the same result (a body without BatchNorm or dropout, no
+``train.augment``): one pass of the body instead of one per epoch.
 
 Defaults and decisions:
 - ``finetune_part: head`` fine-tunes the head alone, as the paper's abstract words it; ``full`` fine-tunes body

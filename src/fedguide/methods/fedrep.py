@@ -17,9 +17,9 @@ Defaults and decisions:
   the default of ``train.epochs``; following the run's setting keeps FedRep's representation update as long as
   the other methods' local training under a shared protocol (FedDW: E = 5 for every method).
 - Both phases use the ``train`` section's optimiser settings (a fresh optimiser per phase, as the released code
-  builds one per call) and plain cross-entropy. The head phase trains on the
-  fixed representation's features computed once per round, batch for batch as through φ, where that gives the
-  same result (no BatchNorm or dropout in φ, no ``train.augment``): one pass of φ instead of τ_h.
+  builds one per call) and plain cross-entropy. The head phase trains on the fixed representation's features
+  computed once per round, batch for batch as through φ, where that gives the same result (no BatchNorm or
+  dropout in φ, no ``train.augment``; ``train_head``): one pass of φ instead of τ_h.
 - Representation averaging is sample-weighted (FedAvg's rule; the released code averages uniformly over the
   round's clients).
 - A client that has not trained yet starts from the run's seeded initial head.
