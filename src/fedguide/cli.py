@@ -384,6 +384,9 @@ def _add_pretrain(sub) -> None:
     pre.add_argument("--reuse-vae", dest="reuse_vae", type=Path, default=None,
                      help="take the VAE of a folder this command wrote before (same VAE settings and data) "
                           "instead of training one")
+    pre.add_argument("--reuse-clip", dest="reuse_clip", type=Path, default=None,
+                     help="take the mini-CLIP projection of a folder this command wrote before (same CLIP settings "
+                          "and data) instead of training one")
     pre.add_argument("--repa-weight", dest="repa_weight", type=float, default=None,
                      help="weight of the UNet's representation-alignment (REPA) loss; 0 (default) trains without it")
     pre.add_argument("--repa-layers", dest="repa_layers", default=None,

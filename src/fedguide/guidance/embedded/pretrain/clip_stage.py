@@ -4,8 +4,14 @@ space, trained with the CLIP loss against the class prompts' embeddings.
 With one prompt per class the text side of a batch is the prompt set, so the loss is cross-entropy over
 cosine logits / τ with a learned temperature (CLIP's image-to-text direction; the text tower is frozen).
 The backbone is frozen, so its features are computed once, for the pool and its augmented views.
+
+``--reuse-clip`` takes a finished folder's projection instead; it is refused before anything is written unless
+that folder's mini-CLIP was trained on this run's data with this run's CLIP settings.
 """
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,6 +21,7 @@ from fedguide.guidance.embedded.augment import random_views
 from fedguide.guidance.embedded.backbones import ImageBackbone
 from fedguide.guidance.embedded.clip import Projection
 from fedguide.guidance.embedded.pretrain.batches import epoch_batches
+from fedguide.guidance.embedded.pretrain.card import copy_training_rows
 from fedguide.guidance.embedded.pretrain.data import Pool
 from fedguide.guidance.embedded.pretrain.partial import Log
 from fedguide.guidance.embedded.pretrain.settings import PretrainSettings
@@ -75,3 +82,25 @@ def train_clip(pool: Pool, text_emb: torch.Tensor, s: PretrainSettings, log: Log
         train_acc = (emb @ targets.T).argmax(1).eq(pool.labels).float().mean().item()
     log("clip", train_zero_shot=round(train_acc, 4), final=True)
     return proj.eval(), emb
+
+
+def reuse_clip(source: Path, pool: Pool, s: PretrainSettings, log: Log, quiet: bool):
+    """A finished folder's projection in place of train_clip (same return: the pool's embeddings computed
+    through it, in the same batches as train_clip computes them), its training lines copied into this run's
+    log so the card still shows how the mini-CLIP was made."""
+    from safetensors.torch import load_file
+
+    config = json.loads((source / "image_encoder" / "config.json").read_text())
+    proj = Projection(config["in_dim"], config["hidden"], config["out_dim"])
+    try:
+        proj.load_state_dict(load_file(source / "image_encoder" / "projection.safetensors"))
+    except RuntimeError:
+        raise ValueError(f"the mini-CLIP in {source} is not the architecture this version trains; drop --reuse-clip "
+                         "to train one") from None
+    proj.eval()
+    feats = backbone_features(ImageBackbone(s.clip_image_size), pool.images, quiet)
+    with torch.no_grad():
+        emb = F.normalize(proj(feats), dim=-1)
+    copy_training_rows(source, "clip", log)
+    log("clip", reused_from=source.name, final=True)
+    return proj, emb

@@ -16,22 +16,25 @@ from typing import Optional
 import torch
 
 from fedguide.guidance.embedded.clip import Projection
-from fedguide.guidance.embedded.pretrain.card import write_card
-from fedguide.guidance.embedded.pretrain.clip_stage import train_clip
+from fedguide.guidance.embedded.pretrain.card import check_reusable, write_card
+from fedguide.guidance.embedded.pretrain.clip_stage import reuse_clip, train_clip
 from fedguide.guidance.embedded.pretrain.data import Pool, encode_prompts, load_pool
 from fedguide.guidance.embedded.pretrain.layout import write_layout
 from fedguide.guidance.embedded.pretrain.partial import Log, load_stage, save_atomic, stage_file
 from fedguide.guidance.embedded.pretrain.settings import PretrainSettings, stage_key
 from fedguide.guidance.embedded.pretrain.unet_stage import train_unet
-from fedguide.guidance.embedded.pretrain.vae_stage import build_vae, check_reusable_vae, reuse_vae, train_vae
+from fedguide.guidance.embedded.pretrain.vae_stage import build_vae, reuse_vae, train_vae
 
 
-def _clip(pool: Pool, prompt_emb: torch.Tensor, settings: PretrainSettings, log: Log, quiet: bool, partial: Path):
-    """(projection, image embeddings): trained, or as a killed run with the same settings left them."""
+def _clip(pool: Pool, prompt_emb: torch.Tensor, settings: PretrainSettings, log: Log, quiet: bool, partial: Path,
+          clip_source: Optional[Path]):
+    """(projection, image embeddings): trained (or taken from ``clip_source``), or as a killed run with the same
+    settings left them."""
     key = stage_key(settings, "clip")
     done = load_stage(stage_file(partial, "clip"), key)
     if done is None:
-        proj, image_emb = train_clip(pool, prompt_emb, settings, log, quiet)
+        proj, image_emb = (train_clip(pool, prompt_emb, settings, log, quiet) if clip_source is None
+                           else reuse_clip(clip_source, pool, settings, log, quiet))
         save_atomic({"key": key, "proj": proj.state_dict(), "config": proj.config, "image_emb": image_emb},
                     stage_file(partial, "clip"))
         return proj, image_emb
@@ -60,12 +63,12 @@ def _vae(pool: Pool, settings: PretrainSettings, log: Log, quiet: bool, partial:
 
 
 def _train_and_write(out: Path, tmp: Path, partial: Path, settings: PretrainSettings, quiet: bool, command: str,
-                     vae_source: Optional[Path]) -> None:
+                     vae_source: Optional[Path], clip_source: Optional[Path]) -> None:
     log = Log(partial / "train_log.jsonl", quiet)
     pool = load_pool(settings)
     log("data", images=len(pool.images), prompts=len(pool.prompts), final=True)
     text = encode_prompts(pool.prompts, settings.max_length)
-    proj, image_emb = _clip(pool, text.pooled, settings, log, quiet, partial)
+    proj, image_emb = _clip(pool, text.pooled, settings, log, quiet, partial, clip_source)
     # The image token has the text tokens' mean norm, so neither kind of token dominates attention.
     token_scale = float(text.tokens[text.mask.bool()].norm(dim=-1).mean())
     vae, lat_mean, lat_std = _vae(pool, settings, log, quiet, partial, vae_source)
@@ -89,17 +92,22 @@ def _replace(out: Path, tmp: Path) -> None:
 
 
 def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command: str = "",
-             threads: Optional[int] = None, vae_source: Optional[Path] = None) -> Path:
+             threads: Optional[int] = None, vae_source: Optional[Path] = None, clip_source: Optional[Path] = None
+             ) -> Path:
     """Trains every stage and writes the SD-layout folder ``out`` (atomically replacing an old one).
 
-    ``vae_source``: a folder this function wrote earlier whose VAE is taken instead of training one (its
-    VAE settings and data must be this run's; checked before anything is written)."""
+    ``vae_source`` / ``clip_source``: a folder this function wrote earlier whose VAE / mini-CLIP is taken
+    instead of training one (that stage's settings and data must be this run's; checked before anything is
+    written)."""
     if threads:
         torch.set_num_threads(threads)
     out = Path(out).resolve()
     if vae_source is not None:
         vae_source = Path(vae_source).resolve()
-        check_reusable_vae(vae_source, settings)
+        check_reusable(vae_source, settings, "vae")
+    if clip_source is not None:
+        clip_source = Path(clip_source).resolve()
+        check_reusable(clip_source, settings, "clip")
     # Finished stages and UNet checkpoints live here until the end, so a killed run resumes where it
     # stopped (stages whose settings changed are retrained).
     partial = out.parent / f".{out.name}.partial"
@@ -108,7 +116,7 @@ def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _train_and_write(out, tmp, partial, settings, quiet, command, vae_source)
+        _train_and_write(out, tmp, partial, settings, quiet, command, vae_source, clip_source)
         _replace(out, tmp)
         shutil.rmtree(partial)
     except BaseException:
@@ -124,6 +132,6 @@ def run_from_cli(args) -> int:
     settings = PretrainSettings(**fields)
     command = "fedguide pretrain-guidance " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else ""
     path = pretrain(args.out, settings, quiet=args.quiet, command=command, threads=args.threads,
-                    vae_source=args.reuse_vae)
+                    vae_source=args.reuse_vae, clip_source=args.reuse_clip)
     print(f"embedded guidance models written to {path}")
     return 0

@@ -6,17 +6,16 @@ that folder's VAE was trained on this run's data with this run's VAE settings.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from fedguide.guidance.embedded.pretrain.batches import epoch_batches
-from fedguide.guidance.embedded.pretrain.card import card_settings
+from fedguide.guidance.embedded.pretrain.card import copy_training_rows
 from fedguide.guidance.embedded.pretrain.data import Pool
 from fedguide.guidance.embedded.pretrain.partial import Log
-from fedguide.guidance.embedded.pretrain.settings import PretrainSettings, stage_key
+from fedguide.guidance.embedded.pretrain.settings import PretrainSettings
 from fedguide.guidance.progress import progress
 
 
@@ -73,17 +72,6 @@ def posterior(vae, pool: Pool):
     return mean, std, rec
 
 
-def check_reusable_vae(source: Path, settings: PretrainSettings) -> None:
-    """Refuses (before anything is written) a VAE trained on other data or with other VAE settings."""
-    recorded = card_settings(source)
-    differ = {k: (recorded.get(k, "not recorded"), v) for k, v in stage_key(settings, "vae").items()}
-    differ = {k: pair for k, pair in differ.items() if pair[0] != pair[1]}
-    if differ:
-        listed = ", ".join(f"{k}: {a} there, {b} here" for k, (a, b) in differ.items())
-        raise ValueError(f"the VAE in {source} was trained with other settings ({listed}); run with the same "
-                         "settings or drop --reuse-vae to train a VAE")
-
-
 def reuse_vae(source: Path, pool: Pool, log: Log):
     """A finished folder's VAE in place of train_vae (same return), its training lines copied into this
     run's log so the card still shows how the VAE was made."""
@@ -100,10 +88,6 @@ def reuse_vae(source: Path, pool: Pool, log: Log):
     vae.register_to_config(scaling_factor=scale)
     vae.eval()
     mean, std, _ = posterior(vae, pool)
-    source_log = source / "train_log.jsonl"
-    rows = [json.loads(line) for line in source_log.read_text().splitlines() if line.strip()] if source_log.is_file() else []
-    for row in rows:
-        if row.get("stage") == "vae" and not row.get("reused"):
-            log.append(row)
+    copy_training_rows(source, "vae", log)
     log("vae", reused_from=source.name, final=True)
     return vae, mean * scale, std * scale
