@@ -57,6 +57,18 @@ def test_every_method_runs_on_the_gpu_as_on_the_cpu(tmp_path, method):
         assert abs(g["accuracy"] - c["accuracy"]) <= 0.1, (method, g["round"], g["accuracy"], c["accuracy"])
 
 
+@pytest.mark.parametrize("method", ["fedbabu", "fedrep"])
+def test_head_training_on_features_computed_once_matches_the_path_through_the_body_on_the_gpu(
+        tmp_path, monkeypatch, method):
+    import fedguide.methods._personalise as personalise
+    cfg = method_config(method, "train.device=cuda", "eval.mode=both")
+    fast = run(tmp_path, cfg, "fast")
+    monkeypatch.setattr(personalise, "features_reusable", lambda *_: False)
+    slow = run(tmp_path, cfg, "slow")
+    for f, s in zip(fast, slow):
+        assert abs(f["accuracy"] - s["accuracy"]) <= 0.02 and abs(f["personal_accuracy"] - s["personal_accuracy"]) <= 0.02
+
+
 def test_a_round_copies_no_data_from_the_host(tmp_path, monkeypatch):
     """Only each epoch's index order (8 bytes a sample) goes host -> device in a round, no images."""
     cfg = load_config(SMOKE, ["train.device=cuda", "data.on_device=true", "train.rounds=2"])
