@@ -420,10 +420,12 @@ def test_peak_memory_does_not_grow_with_the_number_of_images(gmodel, tmp_path):
                          torch.optim.SGD(model.parameters(), lr=0.01), torch.Generator().manual_seed(0))
 
     generate_and_train(8, tmp_path / "warm-up")  # first-call allocations (threads, caches) are not the set's
-    # the least of two runs each: the allocator's state left by other tests moves single readings by a few MB
-    small = min(_peak_rss_growth_mb(lambda: generate_and_train(8, tmp_path / f"n{i}")) for i in range(2))
-    large = min(_peak_rss_growth_mb(lambda: generate_and_train(32, tmp_path / f"4n{i}")) for i in range(2))
-    assert large < small + 8, (small, large)
+    # The least of three runs each: the allocator's state left by other tests moves single readings by a few
+    # MB (up to 8 MB seen within the whole suite); a set held in memory would add >= 18 MB, so the bar sits
+    # between the two.
+    small = min(_peak_rss_growth_mb(lambda: generate_and_train(8, tmp_path / f"n{i}")) for i in range(3))
+    large = min(_peak_rss_growth_mb(lambda: generate_and_train(32, tmp_path / f"4n{i}")) for i in range(3))
+    assert large < small + 13, (small, large)
 
 
 def test_a_set_written_before_chunking_is_still_read(tmp_path):
