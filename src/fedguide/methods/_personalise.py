@@ -125,7 +125,7 @@ def train_head(model: SplitModel, ctx: ClientContext, train: Any) -> tuple[float
     idx = ctx.data.indices
     chunk = max(train.batch_size, 256)
     with torch.no_grad(), autocast(ctx.device, getattr(train, "precision", "fp32")):
-        feats = torch.cat([model.encoder(batch_at(ctx, idx[i: i + chunk])[0]) for i in range(0, len(idx), chunk)])
+        feats = torch.cat([model.encoder(ctx.batch(idx[i: i + chunk])[0]) for i in range(0, len(idx), chunk)])
     labels = ctx.data.y[idx].to(feats.device)
     data = ClientData(ctx.client_id, torch.arange(len(idx)), feats.float(), labels, ctx.data.num_classes)
     head_ctx = ClientContext(ctx.client_id, ctx.round, data, {}, {}, generator=ctx.generator)

@@ -77,11 +77,17 @@ class EmbeddedClip:
         return self.embed(x, normalize=True) @ self.embed_text(prompts).T
 
 
+def read_projection(folder: Path) -> tuple[Projection, dict]:
+    """(the trained projection, its config.json) of an image_encoder/ folder."""
+    config = json.loads((folder / "config.json").read_text())
+    projection = Projection(config["in_dim"], config["hidden"], config["out_dim"])
+    projection.load_state_dict(load_file(folder / "projection.safetensors"))
+    return projection, config
+
+
 def load_embedded_clip(folder: Path, text_encoder, tokenizer, device, dtype) -> EmbeddedClip:
     try:
-        config = json.loads((folder / "config.json").read_text())
-        projection = Projection(config["in_dim"], config["hidden"], config["out_dim"])
-        projection.load_state_dict(load_file(folder / "projection.safetensors"))
+        projection, config = read_projection(folder)
     except (OSError, KeyError, ValueError, RuntimeError) as err:
         raise ConfigError(f"the embedded image encoder in {folder} cannot be read ({err}); reinstall fedguide or "
                           "rebuild it with `fedguide pretrain-guidance`") from None

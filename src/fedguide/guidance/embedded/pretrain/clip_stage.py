@@ -10,7 +10,6 @@ that folder's mini-CLIP was trained on this run's data with this run's CLIP sett
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 
 from fedguide.guidance.embedded.augment import random_views
 from fedguide.guidance.embedded.backbones import ImageBackbone
-from fedguide.guidance.embedded.clip import Projection
+from fedguide.guidance.embedded.clip import Projection, read_projection
 from fedguide.guidance.embedded.pretrain.batches import epoch_batches
 from fedguide.guidance.embedded.pretrain.card import copy_training_rows
 from fedguide.guidance.embedded.pretrain.data import Pool
@@ -88,13 +87,9 @@ def reuse_clip(source: Path, pool: Pool, s: PretrainSettings, log: Log, quiet: b
     """A finished folder's projection in place of train_clip (same return: the pool's embeddings computed
     through it, in the same batches as train_clip computes them), its training lines copied into this run's
     log so the card still shows how the mini-CLIP was made."""
-    from safetensors.torch import load_file
-
-    config = json.loads((source / "image_encoder" / "config.json").read_text())
-    proj = Projection(config["in_dim"], config["hidden"], config["out_dim"])
     try:
-        proj.load_state_dict(load_file(source / "image_encoder" / "projection.safetensors"))
-    except RuntimeError:
+        proj, _ = read_projection(source / "image_encoder")
+    except (OSError, KeyError, RuntimeError):
         raise ValueError(f"the mini-CLIP in {source} is not the architecture this version trains; drop --reuse-clip "
                          "to train one") from None
     proj.eval()
