@@ -5,6 +5,11 @@ from pathlib import Path
 # Tests never reach the network: no dataset download, no model hub.
 os.environ.setdefault("FEDGUIDE_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Under pytest-xdist (`make test` runs one worker per core) each worker computes on one thread: torch's
+# default of a thread per core in every worker oversubscribes the cores and made the suite no faster.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
 # Shared helpers (tiny.py) are importable from every test folder.
 sys.path.insert(0, str(Path(__file__).parent))
 
