@@ -395,6 +395,9 @@ def _add_pretrain(sub) -> None:
     pre.add_argument("--repa-target", dest="repa_target", choices=("effnet", "clip"), default=None,
                      help="alignment target: the frozen EfficientNet-Lite0 feature map of the clean image (effnet, "
                           "default) or its mini-CLIP embedding (clip)")
+    pre.add_argument("--repa-head", dest="repa_head", choices=("mlp", "linear"), default=None,
+                     help="projection head of the alignment: REPA's per-position MLP (mlp, default) or one 1x1 "
+                          "convolution (linear), which asks the features to hold the target linearly")
     pre.add_argument("--unet-channels", dest="unet_channels", default=None,
                      type=lambda v: tuple(int(c) for c in v.split(",") if c.strip()),
                      help="comma-separated channels of the UNet's levels (default 64,128,128,128; a larger UNet "

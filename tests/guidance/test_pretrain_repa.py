@@ -32,7 +32,7 @@ def test_a_repa_run_writes_the_same_layout_with_an_ordinary_unet(tmp_path):
     assert m.unet.config.block_out_channels == [16, 16, 16, 16]
     card = (aligned / "MODEL_CARD.md").read_text()
     assert '"repa_weight": 0.5' in card and '"repa_target": "effnet"' in card
-    assert "## Representation alignment (REPA)" in card and "blocks mid, up.1" in card
+    assert "## Representation alignment (REPA)" in card and "(a per-position MLP) of blocks mid, up.1" in card
     assert "Representation alignment" not in (plain / "MODEL_CARD.md").read_text()
     log = [json.loads(line) for line in (aligned / "train_log.jsonl").read_text().splitlines()]
     assert "align" in [row for row in log if row["stage"] == "unet"][-1]
@@ -59,6 +59,33 @@ def test_the_alignment_loss_decreases(tmp_path):
         training.step(terms["loss"] + s.repa_weight * terms["align"])
         losses.append(terms["align"].item())
     assert losses[0] > 0.95 and sum(losses[-5:]) / 5 < 0.85 * losses[0], losses
+
+
+def test_a_linear_head_is_one_convolution_the_features_must_match_linearly(tmp_path):
+    """repa_head: linear projects each block by a single 1x1 convolution: the cosine term is then that
+    of a linear map of the hidden state, computed here by hand."""
+    from fedguide.guidance.embedded.pretrain.repa import Alignment, build_heads
+
+    s = small_settings(repa_weight=1.0, repa_layers=("up.1", "mid"), repa_target="clip", repa_head="linear")
+    heads = build_heads(s, context_dim=3)
+    for name in ("up.1", "mid"):
+        head = heads.heads[name.replace(".", "_")]
+        assert isinstance(head, torch.nn.Conv2d) and head.kernel_size == (1, 1) and head.out_channels == 3
+    mlp = build_heads(small_settings(repa_weight=1.0, repa_layers=("up.1",), repa_target="clip"), context_dim=3)
+    assert isinstance(mlp.heads["up_1"], torch.nn.Sequential) and len(mlp.heads["up_1"]) == 5
+
+    torch.manual_seed(1)
+    target = torch.randn(2, 3)
+    hidden = {"up.1": torch.randn(2, 16, 2, 2), "mid": torch.randn(2, 16, 1, 1)}
+    loss = Alignment(heads, target[:, :, None, None], s.repa_layers).loss(hidden, torch.arange(2))
+    expected = []
+    for name, h in hidden.items():
+        conv = heads.heads[name.replace(".", "_")]
+        w, b = conv.weight[:, :, 0, 0], conv.bias
+        proj = torch.einsum("oc,bchw->bohw", w, h) + b[None, :, None, None]  # the linear map, position by position
+        cos = (proj * target[:, :, None, None]).sum(1) / (proj.norm(dim=1) * target.norm(dim=1)[:, None, None])
+        expected.append(1 - cos.mean())
+    assert torch.allclose(loss, torch.stack(expected).mean(), atol=1e-6)
 
 
 def test_a_killed_repa_run_resumes_to_the_same_files(tmp_path, monkeypatch):
@@ -102,6 +129,7 @@ def test_a_checkpoint_without_alignment_is_not_continued_with_it(tmp_path, monke
     (dict(repa_weight=-1.0), "repa_weight must be a finite number >= 0"),
     (dict(repa_weight=float("nan")), "repa_weight must be a finite number >= 0"),
     (dict(repa_target="dino"), "repa_target must be one of"),
+    (dict(repa_head="attention"), "repa_head must be one of"),
     (dict(repa_layers=("up.4",)), "repa_layers needs UNet blocks among mid, down.0..down.3, up.0..up.3"),
     (dict(repa_layers=("decoder",)), "repa_layers needs UNet blocks"),
     (dict(repa_layers=()), "repa_layers needs UNet blocks"),
@@ -122,8 +150,9 @@ def test_the_cli_passes_the_alignment_options_and_refuses_bad_ones(tmp_path, cap
     seen = {}
     monkeypatch.setattr(pt, "pretrain", lambda out, settings, **k: seen.setdefault("s", settings) and out)
     assert main(["pretrain-guidance", "--out", str(tmp_path / "m"), "--repa-weight", "0.5", "--repa-layers",
-                 "mid, up.1", "--repa-target", "clip"]) == 0
-    assert (seen["s"].repa_weight, seen["s"].repa_layers, seen["s"].repa_target) == (0.5, ("mid", "up.1"), "clip")
+                 "mid, up.1", "--repa-target", "clip", "--repa-head", "linear"]) == 0
+    assert ((seen["s"].repa_weight, seen["s"].repa_layers, seen["s"].repa_target, seen["s"].repa_head)
+            == (0.5, ("mid", "up.1"), "clip", "linear"))
     seen.clear()
     assert main(["pretrain-guidance", "--out", str(tmp_path / "m"), "--unet-channels", "96,192,192"]) == 0
     assert seen["s"].unet_channels == (96, 192, 192)

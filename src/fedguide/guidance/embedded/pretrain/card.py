@@ -56,9 +56,10 @@ def _quality_lines(quality: dict) -> list[str]:
 def _alignment_lines(settings: dict) -> list[str]:
     if not settings.get("repa_weight"):
         return []
+    head = "one 1x1 convolution" if settings.get("repa_head") == "linear" else "a per-position MLP"
     return ["", "## Representation alignment (REPA)", "",
             f"The UNet was trained with loss = ε-MSE + {settings['repa_weight']} × (1 − cos), the cosine between a "
-            f"projection of blocks {', '.join(settings['repa_layers'])} and the frozen "
+            f"projection ({head}) of blocks {', '.join(settings['repa_layers'])} and the frozen "
             + ("EfficientNet-Lite0 feature map of the clean image" if settings["repa_target"] == "effnet"
                else "mini-CLIP embedding of the clean image")
             + " (pretrain/repa.py). The projection heads were discarded: unet/ is an ordinary UNet."]

@@ -1,7 +1,7 @@
 """Representation alignment for the UNet stage (REPA: "Representation Alignment for Generation", Yu et
 al., 2024): beside the ε-prediction loss, the hidden state of each block in ``repa_layers`` (hook names
 of guidance/hooks.py: ``down.i``, ``mid``, ``up.i``) goes through a small head — REPA's per-position MLP,
-here three 1x1 convolutions with SiLU — and is pulled towards a frozen encoder's view of the *clean*
+here three 1x1 convolutions with SiLU (``repa_head: mlp``) — and is pulled towards a frozen encoder's view of the *clean*
 image by a cosine loss, averaged over positions and blocks:
 
     loss = mse(ε̂, ε) + repa_weight * (1 - cos(head(h), target))
@@ -11,6 +11,10 @@ are written (a run started again reads them; recomputing would give the same val
 - ``effnet``: the ImageNet EfficientNet-Lite0 feature map (1280 channels; 4 x 4 at the CLIP stage's
   ``clip_image_size`` of 128 px), average-pooled or bilinearly resized to the block's grid;
 - ``clip``: the image's mini-CLIP embedding (its image token), the same at every position.
+
+``repa_head: linear`` replaces the MLP by one 1x1 convolution, a departure from REPA: an MLP head lets the
+block hold the target in any form the MLP can decode, whereas the linear probe of the features (and the
+methods that read them: FedDifRC, SemanticFL) only see what a linear map can read.
 
 The heads are trained with the UNet (same optimiser, kept in the checkpoints) and then discarded: the
 written UNet is an ordinary ``UNet2DConditionModel``, so the loader and the methods cannot tell.
@@ -42,8 +46,10 @@ def block_channels(channels: tuple[int, ...], layers: tuple[str, ...]) -> dict[s
     return {name: of(name) for name in layers}
 
 
-def _head(channels: int, out: int) -> torch.nn.Module:
+def _head(channels: int, out: int, kind: str) -> torch.nn.Module:
     conv = torch.nn.Conv2d
+    if kind == "linear":
+        return conv(channels, out, 1)
     return torch.nn.Sequential(conv(channels, HEAD_WIDTH, 1), torch.nn.SiLU(), conv(HEAD_WIDTH, HEAD_WIDTH, 1),
                                torch.nn.SiLU(), conv(HEAD_WIDTH, out, 1))
 
@@ -51,9 +57,10 @@ def _head(channels: int, out: int) -> torch.nn.Module:
 class AlignHeads(torch.nn.Module):
     """One projection head per aligned block, from its channels to the target's."""
 
-    def __init__(self, channels: dict[str, int], target_dim: int):
+    def __init__(self, channels: dict[str, int], target_dim: int, kind: str = "mlp"):
         super().__init__()
-        self.heads = torch.nn.ModuleDict({name.replace(".", "_"): _head(c, target_dim) for name, c in channels.items()})
+        self.heads = torch.nn.ModuleDict({name.replace(".", "_"): _head(c, target_dim, kind)
+                                          for name, c in channels.items()})
 
     def forward(self, name: str, hidden: torch.Tensor) -> torch.Tensor:
         return self.heads[name.replace(".", "_")](hidden)
@@ -63,7 +70,7 @@ def build_heads(s: PretrainSettings, context_dim: int) -> AlignHeads:
     """The heads of a run, seeded on their own (the UNet's initial weights do not depend on them)."""
     torch.manual_seed(s.seed + 8)
     target_dim = IMAGE_FEATURES if s.repa_target == "effnet" else context_dim
-    return AlignHeads(block_channels(tuple(s.unet_channels), tuple(s.repa_layers)), target_dim)
+    return AlignHeads(block_channels(tuple(s.unet_channels), tuple(s.repa_layers)), target_dim, s.repa_head)
 
 
 def alignment_targets(images: torch.Tensor, image_tokens: torch.Tensor, s: PretrainSettings,

@@ -127,7 +127,7 @@ def pretrain(out: Path, settings: PretrainSettings, quiet: bool = False, command
 
 def run_from_cli(args) -> int:
     names = ("seed", "unet_steps", "vae_steps", "clip_epochs", "clip_image_size", "repa_weight", "repa_layers",
-             "repa_target", "unet_channels")
+             "repa_target", "repa_head", "unet_channels")
     fields = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
     settings = PretrainSettings(**fields)
     command = "fedguide pretrain-guidance " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else ""

@@ -10,6 +10,7 @@ from typing import Optional
 PROMPT = "a photo of a {}"
 DATASETS = ("fmnist", "digits_domains")
 REPA_TARGETS = ("effnet", "clip")
+REPA_HEADS = ("mlp", "linear")
 _BLOCK = re.compile(r"^(down|up)\.(\d+)$|^mid$")  # the UNet block names of guidance/hooks.py
 
 
@@ -46,6 +47,7 @@ class PretrainSettings:
     repa_weight: float = 0.0
     repa_layers: tuple[str, ...] = ("mid", "up.1")  # UNet blocks aligned (hook names: down.i, mid, up.i)
     repa_target: str = "effnet"  # "effnet": the frozen backbone's feature map; "clip": the mini-CLIP embedding
+    repa_head: str = "mlp"  # "mlp": REPA's per-position MLP; "linear": one 1x1 convolution (see repa.py)
 
     def __post_init__(self):
         views = self.clip_augmented_views
@@ -69,6 +71,8 @@ class PretrainSettings:
             raise ValueError(f"repa_weight must be a finite number >= 0 (0: no alignment), got {self.repa_weight}")
         if self.repa_target not in REPA_TARGETS:
             raise ValueError(f"repa_target must be one of {REPA_TARGETS}, got {self.repa_target!r}")
+        if self.repa_head not in REPA_HEADS:
+            raise ValueError(f"repa_head must be one of {REPA_HEADS}, got {self.repa_head!r}")
         levels = len(self.unet_channels)
         if not self.repa_layers or not all(_is_block(name, levels) for name in self.repa_layers):
             raise ValueError(f"repa_layers needs UNet blocks among mid, down.0..down.{levels - 1}, "
