@@ -1,8 +1,8 @@
 """Representation alignment for the UNet stage (REPA: "Representation Alignment for Generation", Yu et
 al., 2024): beside the ε-prediction loss, the hidden state of each block in ``repa_layers`` (hook names
 of guidance/hooks.py: ``down.i``, ``mid``, ``up.i``) goes through a small head — REPA's per-position MLP,
-here three 1x1 convolutions with SiLU (``repa_head: mlp``) — and is pulled towards a frozen encoder's view of the *clean*
-image by a cosine loss, averaged over positions and blocks:
+here three 1x1 convolutions with SiLU (``repa_head: mlp``) — and is pulled towards a frozen encoder's view
+of the *clean* image by a cosine loss, averaged over positions and blocks:
 
     loss = mse(ε̂, ε) + repa_weight * (1 - cos(head(h), target))
 
