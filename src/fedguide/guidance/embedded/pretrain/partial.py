@@ -98,7 +98,9 @@ def save_atomic(obj: dict, path: Path) -> None:
     write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
-def _read(path: Path) -> dict:
+def read_stage(path: Path) -> dict:
+    """The stage file at ``path`` whatever settings made it (``load_stage`` checks them); a file that is not
+    one is refused with a ValueError, never executed."""
     from safetensors import safe_open
 
     try:
@@ -115,5 +117,5 @@ def load_stage(path: Path, key: dict):
     that is not such a stage (a pickle, say) is refused with a ValueError, never executed."""
     if not path.is_file():
         return None
-    state = _read(path)
+    state = read_stage(path)
     return state if isinstance(state, dict) and state.get("key") == key else None
