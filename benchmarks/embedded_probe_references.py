@@ -14,7 +14,7 @@ FedDifRC's recipe) keeps less than it is given. About 4 minutes on two CPU cores
 
 With ``--checkpoint`` (the ``unet.safetensors`` checkpoint in a running ``pretrain-guidance``'s
 ``.<name>.partial`` folder) it prints instead the quality script's probe of that checkpoint's UNet (its EMA
-weights, in a copy of ``--model-folder`` under a temporary folder): an early reading of a 6000-step
+weights, loaded into ``--model-folder``'s UNet in memory): an early reading of a 6000-step
 attempt, about 2 minutes.
 """
 from __future__ import annotations
@@ -31,31 +31,21 @@ from embedded_guidance_quality import REPO, linear_probe, load, probe  # noqa: E
 
 
 def checkpoint_probe(model_folder: Path, checkpoint: Path) -> None:
-    import shutil
-    import tempfile
-
-    from diffusers import UNet2DConditionModel
-
     from fedguide.config import GuidanceConfig
     from fedguide.guidance.embedded.pretrain.partial import read_stage
     from fedguide.guidance.model import GuidanceModel
 
     state = read_stage(checkpoint)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "model"
-        shutil.copytree(model_folder, folder)
-        unet = UNet2DConditionModel.from_pretrained(folder / "unet")
-        shadow = state["ema"]["shadow_params"]
-        params = list(unet.parameters())
-        if len(shadow) != len(params) or any(a.shape != b.shape for a, b in zip(params, shadow)):
-            raise SystemExit(f"{checkpoint} holds a UNet of another shape than {model_folder}/unet: give the "
-                             "--model-folder whose unet/ has that checkpoint's --unet-channels")
-        with torch.no_grad():
-            for p, s in zip(params, shadow):
-                p.copy_(s)
-        unet.save_pretrained(folder / "unet")
-        gm = GuidanceModel.from_config(GuidanceConfig(model=str(folder), device="cpu"))
-        print(f"step {state['step']}: probe={probe(gm, load('fmnist'), 0):.4f}")
+    # The checkpoint's EMA weights go into the loaded model's UNet: nothing is written.
+    gm = GuidanceModel.from_config(GuidanceConfig(model=str(model_folder), device="cpu"))
+    shadow, params = state["ema"]["shadow_params"], list(gm.unet.parameters())
+    if len(shadow) != len(params) or any(a.shape != b.shape for a, b in zip(params, shadow)):
+        raise SystemExit(f"{checkpoint} holds a UNet of another shape than {model_folder}/unet: give the "
+                         "--model-folder whose unet/ has that checkpoint's --unet-channels")
+    with torch.no_grad():
+        for p, s in zip(params, shadow):
+            p.copy_(s)
+    print(f"step {state['step']}: probe={probe(gm, load('fmnist'), 0):.4f}")
 
 
 def main() -> None:

@@ -372,6 +372,8 @@ def _add_results(sub) -> None:
 
 
 def _add_pretrain(sub) -> None:
+    from fedguide.guidance.embedded.pretrain.settings import REPA_HEADS, REPA_TARGETS
+
     pre = sub.add_parser("pretrain-guidance", help="train the embedded guidance models (mini SD + mini CLIP) "
                                                    "from scratch on the embedded datasets' public pools")
     pre.add_argument("--out", type=Path, required=True, help="folder to write (SD layout + MODEL_CARD.md)")
@@ -392,10 +394,10 @@ def _add_pretrain(sub) -> None:
     pre.add_argument("--repa-layers", dest="repa_layers", default=None,
                      type=lambda v: tuple(name.strip() for name in v.split(",") if name.strip()),
                      help="comma-separated UNet blocks aligned: mid, down.i, up.i (default mid,up.1)")
-    pre.add_argument("--repa-target", dest="repa_target", choices=("effnet", "clip"), default=None,
+    pre.add_argument("--repa-target", dest="repa_target", choices=REPA_TARGETS, default=None,
                      help="alignment target: the frozen EfficientNet-Lite0 feature map of the clean image (effnet, "
                           "default) or its mini-CLIP embedding (clip)")
-    pre.add_argument("--repa-head", dest="repa_head", choices=("mlp", "linear"), default=None,
+    pre.add_argument("--repa-head", dest="repa_head", choices=REPA_HEADS, default=None,
                      help="projection head of the alignment: REPA's per-position MLP (mlp, default) or one 1x1 "
                           "convolution (linear), which asks the features to hold the target linearly")
     pre.add_argument("--unet-channels", dest="unet_channels", default=None,
