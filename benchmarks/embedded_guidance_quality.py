@@ -45,6 +45,7 @@ from fedguide.guidance.samplers import Condition, SamplerConfig, sample  # noqa:
 BARS = {"gen_text": 0.8, "gen_image": 0.7, "zero_shot": 0.7, "probe": 0.8}
 PROMPT = "a photo of a {}"
 COLOUR_DOMAINS = ("digits_domains",)  # datasets whose judge is trained on pose-and-colour views
+PROBE_T = 150  # the probe's feature timestep, FedDifRC's
 PROBE_C = (0.01, 0.03, 0.1, 0.3, 1.0)  # inverse L2 strengths the probe's cross-validation chooses from
 
 
@@ -153,10 +154,10 @@ def zero_shot(gm, ds) -> float:
     return torch.cat(preds).eq(ds["test_y"]).float().mean().item()
 
 
-def probe(gm, ds, seed: int) -> float:
+def probe(gm, ds, seed: int, t: int = PROBE_T) -> float:
     layers = ("up.1", "up.2", "up.3")
     # d = 256: what FedDifRC's fused_dim=auto takes from this model's decoder layers 2-4 (128/128/64 channels).
-    feats = DiffusionFeatures(gm, FeatureSpec(layers, t=150, noise_seed=seed), FusedFeatures(layers, d=256, seed=seed))
+    feats = DiffusionFeatures(gm, FeatureSpec(layers, t=t, noise_seed=seed), FusedFeatures(layers, d=256, seed=seed))
     pub_x, test_x = ds["pub_x"], ds["test_x"]
     fit = np.random.default_rng(seed).choice(len(pub_x), min(2000, len(pub_x)), replace=False)
     feats.fit(pub_x[fit], [""] * len(fit), fit, batch_size=250)
