@@ -9,8 +9,9 @@ logistic regression with C by 3-fold cross-validation on the public pool, Fashio
 - the mini-CLIP image embeddings: what representation alignment to ``--repa-target clip`` pulls the UNet
   towards, so about the most that target can give (its cross-validation score on the public pool, printed
   beside, is that of embeddings trained on that very pool).
-If the first two beat the fused denoising features, the UNet's decoder (at t = 150, mean-pooled per
-FedDifRC's recipe) keeps less than it is given. About 4 minutes on two CPU cores.
+The first two are the *clean* input; the feature probe reads the UNet at t = 150, where its input is noised,
+so ``embedded_probe_ceiling.py`` makes the fair comparison (the same noise on both). About 4 minutes on
+two CPU cores.
 
 With ``--checkpoint`` (the ``unet.safetensors`` checkpoint in a running ``pretrain-guidance``'s
 ``.<name>.partial`` folder) it prints instead the quality script's probe of that checkpoint's UNet (its EMA
@@ -56,22 +57,20 @@ def main() -> None:
     args = ap.parse_args()
     if args.checkpoint is not None:
         return checkpoint_probe(args.model_folder, args.checkpoint)
-    from diffusers import AutoencoderKL
-
     from fedguide.config import GuidanceConfig
     from fedguide.guidance.model import GuidanceModel
 
     ds = load("fmnist")
-    vae = AutoencoderKL.from_pretrained(args.model_folder / "vae").eval()
+    gm = GuidanceModel.from_config(GuidanceConfig(model=str(args.model_folder), device="cpu"))
 
     @torch.no_grad()
-    def latents(x):
-        return torch.cat([vae.encode(x[i:i + 500]).latent_dist.mean for i in range(0, len(x), 500)]).flatten(1).numpy()
+    def latents(x):  # posterior means; the scaling factor does not change a standardised probe
+        return torch.cat([gm.encode_image(x[i:i + 500]) for i in range(0, len(x), 500)]).flatten(1).numpy()
 
     def pixels(x):
         return F.avg_pool2d(x[:, :1], 2).flatten(1).numpy()
 
-    encoder = GuidanceModel.from_config(GuidanceConfig(model=str(args.model_folder), device="cpu")).image_encoder
+    encoder = gm.image_encoder
 
     @torch.no_grad()
     def clip(x):
