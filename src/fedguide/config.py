@@ -134,6 +134,11 @@ class EvalConfig(Strict):
         1.0, gt=0.0, le=1.0, description="share of the test set divided among the clients' test splits, each "
                                          "test sample to one client, in proportion to the clients' training "
                                          "samples of its class (and domain)")
+    test_subset: float = Field(
+        1.0, gt=0.0, le=1.0, description="share of the test set scored, stratified by class (and domain) and the "
+                                         "same samples for every run seed; below 1 only for quick runs (smoke "
+                                         "tests, debugging): its accuracies do not compare with the whole test "
+                                         "set's. Personal test splits are drawn from it")
     personal_every: int = Field(
         1, ge=1, description="mode both: personal scores every this many rounds and at the last round")
     client_classes: bool = Field(

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fedguide.core.evaluation import personal_metrics
-from fedguide.data.federated import FederatedData, personal_test_splits
+from fedguide.data.federated import FederatedData, personal_test_splits, scored_test_subset
+from fedguide.data.sources.base import DatasetSplits
 from fedguide.fl.setup import prepare
 from fedguide.registry import ConfigError
 from tiny import run_tiny, tiny_config, without_timing
@@ -111,3 +112,30 @@ def test_a_personalised_method_scores_alike_on_every_runtime(tmp_path, runtime, 
     assert without_timing(rows) == without_timing(ref)
     trained = {c for r in rows for c in r["clients"]}
     assert {int(p.name) for p in (run_dir / "client_state" / "committed").iterdir()} == trained
+
+
+def test_test_subset_keeps_each_cells_share_and_is_the_same_for_every_seed(tmp_path):
+    y = torch.tensor([0] * 50 + [1] * 30 + [2] * 1)
+    dom = torch.tensor(([0, 1] * 40) + [0])
+    splits = DatasetSplits(torch.zeros(4, 1, 2, 2), torch.zeros(4, dtype=torch.long), torch.arange(81.0)[:, None],
+                           y, ["a", "b", "c"], torch.zeros(4, dtype=torch.long), dom, ["p", "q"])
+    sub, keep = scored_test_subset(splits, 0.2, np.random.default_rng(0))
+    # Cells (class, domain): 25 → 5 each for class 0, 15 → 3 each for class 1, the lone class-2 sample kept.
+    assert [int(((sub.test_y == c) & (sub.test_domains == d)).sum()) for c in range(3) for d in range(2)] == \
+        [5, 5, 3, 3, 1, 0]
+    assert torch.equal(sub.test_x[:, 0], torch.from_numpy(keep).float())  # the tensors hold the kept samples
+    assert np.array_equal(keep, np.sort(keep)) and torch.equal(sub.train_y, splits.train_y)
+    assert scored_test_subset(splits, 1.0, np.random.default_rng(0)) == (splits, None)
+
+    # A run scores only the subset, records it, and hands the personal splits out of it; every seed alike.
+    over = {"eval": {"mode": "both", "test_subset": 0.5}, "train": {"rounds": 1}}
+    records = []
+    for seed in (0, 1):
+        _, rows, run_dir = run_tiny(tmp_path, tiny_config(over, seed=seed), name=f"s{seed}")
+        records.append(json.loads((run_dir / "partition.json").read_text()))
+        assert rows[0]["personal_accuracy"] == pytest.approx(rows[0]["accuracy"])  # splits divide the subset
+    subset = records[0]["test_subset"]
+    assert subset == records[1]["test_subset"] and subset["samples"] == 180  # half of the 360 digits test images
+    personal = sorted(i for split in records[0]["personal_test"]["indices"] for i in split)
+    assert personal == subset["indices"]  # recorded as indices into the source's test set
+    assert records[0]["personal_test"] != records[1]["personal_test"]  # the split among clients follows the seed

@@ -1,7 +1,7 @@
 """The federation a run trains on: shared in-memory tensors plus per-client index lists."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -22,6 +22,22 @@ def stratified_fraction(labels: np.ndarray, fraction: float, rng: np.random.Gene
         n = max(1, int(round(fraction * len(idx))))
         keep.append(rng.choice(idx, size=n, replace=False))
     return np.sort(np.concatenate(keep))
+
+
+def scored_test_subset(splits: DatasetSplits, fraction: float,
+                       rng: np.random.Generator) -> tuple[DatasetSplits, Optional[np.ndarray]]:
+    """The splits with only a stratified ``fraction`` of the test set (each class, and each (class, domain)
+    pair where the data has domains, keeps its share, at least one sample), and the kept indices into the
+    source's test set; ``fraction`` 1 returns the splits unchanged and None."""
+    if fraction >= 1.0:
+        return splits, None
+    cells = splits.test_y.numpy()
+    if splits.test_domains is not None:
+        cells = cells * len(splits.domain_names) + splits.test_domains.numpy()
+    keep = stratified_fraction(cells, fraction, rng)
+    at = torch.from_numpy(keep)
+    domains = None if splits.test_domains is None else splits.test_domains[at]
+    return replace(splits, test_x=splits.test_x[at], test_y=splits.test_y[at], test_domains=domains), keep
 
 
 def public_pool(labels: np.ndarray, fraction: float, public_seed: int) -> np.ndarray:
@@ -96,6 +112,9 @@ class FederatedData:
     public_indices: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     server_indices: Optional[np.ndarray] = None
     clients_labeled: bool = True
+    # eval.test_subset below 1: the scored test samples' indices into the source's test set (the test
+    # tensors hold only those); None = the whole test set.
+    test_subset: Optional[np.ndarray] = None
     # Each client's split of the test set (indices into the test tensors) for personalised evaluation;
     # None unless eval.mode scores personalised models.
     personal_test: Optional[list[np.ndarray]] = None

@@ -138,6 +138,8 @@ class Experiment:
             record["server_samples"] = int(len(data.server_indices))
         if not data.clients_labeled:
             record["clients_labeled"] = False
+        if data.test_subset is not None:
+            record["test_subset"] = {"samples": int(len(data.test_subset)), "indices": data.test_subset.tolist()}
         record.update(personal_test_record(data))
         return record
 

@@ -31,13 +31,14 @@ def round_evaluation(cfg: Config, ctx: RunContext, method: Method, round_: int, 
 
 
 def personal_test_record(data: FederatedData) -> dict[str, Any]:
-    """partition.json's ``personal_test``: every client's test split (indices into the test set) and its
-    class counts."""
+    """partition.json's ``personal_test``: every client's test split (indices into the source's test set,
+    also under eval.test_subset) and its class counts."""
     if data.personal_test is None:
         return {}
     labels = data.splits.test_y.numpy()
     counts = [[int((labels[idx] == c).sum()) for c in range(data.num_classes)] for idx in data.personal_test]
-    return {"personal_test": {"counts": counts, "indices": [idx.tolist() for idx in data.personal_test]}}
+    origin = (lambda idx: idx) if data.test_subset is None else (lambda idx: data.test_subset[idx])
+    return {"personal_test": {"counts": counts, "indices": [origin(idx).tolist() for idx in data.personal_test]}}
 
 
 def personal_summary(cfg: Config, metrics: list[dict[str, Any]]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from fedguide.core.state import ClientStateStore
 from fedguide.core.weights import WeightLayout
 from fedguide.data.augment import build_augment, check_augment
 from fedguide.data.device_data import DeviceData
-from fedguide.data.federated import FederatedData, public_pool, stratified_fraction
+from fedguide.data.federated import FederatedData, public_pool, scored_test_subset, stratified_fraction
 from fedguide.data.partition import PARTITIONS
 from fedguide.data.scenarios import make_scenario
 from fedguide.data.sources import DATASETS
@@ -86,6 +86,8 @@ def prepare(cfg: Config) -> Prepared:
         raise ConfigError(f"data.root {root} does not exist; fix the path, or remove data.root to use "
                           "$FEDGUIDE_DATA and the default places")
     splits = DATASETS.get(cfg.data.name).obj(params["data"])
+    # Seeded by a constant, not the run seed: runs of different seeds score the same test samples.
+    splits, test_subset = scored_test_subset(splits, cfg.eval.test_subset, numpy_rng(0, "test_subset"))
     labels = splits.train_y.numpy()
     pool = np.arange(len(labels))
     public = public_pool(labels, cfg.data.public_fraction, cfg.data.public_seed)
@@ -110,7 +112,7 @@ def prepare(cfg: Config) -> Prepared:
                   splits.pixel_stats is not None)
     data = FederatedData(splits, client_indices, public_indices=public,
                          server_indices=None if part.server is None else used[part.server],
-                         clients_labeled=part.clients_labeled)
+                         clients_labeled=part.clients_labeled, test_subset=test_subset)
     if cfg.eval.client_classes:
         data.client_classes = {cid: np.unique(labels[idx]).tolist() for cid, idx in enumerate(partition)}
     if cfg.eval.mode != "global":

@@ -172,8 +172,10 @@ class FrozenFeatures:
 
         data = self.run.config.data
         params = {k: v for k, v in data.params_dict().items() if k != "root"}  # where the files sit is no recipe
-        fkey = FeatureKey(model=self.encoder_id(), dataset=data.name, split=split,
-                          recipe={"features": "image_embeds", "data": params, "indices": key[1], "count": len(indices)})
+        recipe = {"features": "image_embeds", "data": params, "indices": key[1], "count": len(indices)}
+        if split == "test" and self.run.config.eval.test_subset < 1:  # the test tensors hold only the subset
+            recipe["test_subset"] = self.run.config.eval.test_subset
+        fkey = FeatureKey(model=self.encoder_id(), dataset=data.name, split=split, recipe=recipe)
         array = feature_store(self.cfg).get_or_compute(
             fkey, len(indices), lambda pos: self.embed(self._pixels(images[torch.as_tensor(indices[pos])])),
             batch_size=self.batch_size, rebuild=self.cfg.rebuild, description=f"image features ({split})",
