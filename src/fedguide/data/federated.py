@@ -24,6 +24,12 @@ def stratified_fraction(labels: np.ndarray, fraction: float, rng: np.random.Gene
     return np.sort(np.concatenate(keep))
 
 
+def cells(labels: torch.Tensor, domains: Optional[torch.Tensor], domain_names: Optional[list[str]]) -> np.ndarray:
+    """One id per sample: its class, or its (class, domain) pair where the data has domains."""
+    y = labels.numpy()
+    return y if domains is None else y * len(domain_names) + domains.numpy()
+
+
 def scored_test_subset(splits: DatasetSplits, fraction: float,
                        rng: np.random.Generator) -> tuple[DatasetSplits, Optional[np.ndarray]]:
     """The splits with only a stratified ``fraction`` of the test set (each class, and each (class, domain)
@@ -31,10 +37,7 @@ def scored_test_subset(splits: DatasetSplits, fraction: float,
     source's test set; ``fraction`` 1 returns the splits unchanged and None."""
     if fraction >= 1.0:
         return splits, None
-    cells = splits.test_y.numpy()
-    if splits.test_domains is not None:
-        cells = cells * len(splits.domain_names) + splits.test_domains.numpy()
-    keep = stratified_fraction(cells, fraction, rng)
+    keep = stratified_fraction(cells(splits.test_y, splits.test_domains, splits.domain_names), fraction, rng)
     at = torch.from_numpy(keep)
     domains = None if splits.test_domains is None else splits.test_domains[at]
     return replace(splits, test_x=splits.test_x[at], test_y=splits.test_y[at], test_domains=domains), keep
@@ -147,11 +150,8 @@ class FederatedData:
         """Every client's test split with its training mix of classes, and of domains where the data has them
         (``personal_test_splits``)."""
         s = self.splits
-        train, test = s.train_y.numpy(), s.test_y.numpy()
-        if s.train_domains is not None and s.test_domains is not None:
-            d = len(s.domain_names)
-            train, test = train * d + s.train_domains.numpy(), test * d + s.test_domains.numpy()
-        return personal_test_splits(train, self.client_indices, test, fraction, rng)
+        return personal_test_splits(cells(s.train_y, s.train_domains, s.domain_names), self.client_indices,
+                                    cells(s.test_y, s.test_domains, s.domain_names), fraction, rng)
 
     def domain_counts(self) -> Optional[np.ndarray]:
         """[K, D] samples of each domain per client, or None for data without domains."""

@@ -37,8 +37,8 @@ def personal_test_record(data: FederatedData) -> dict[str, Any]:
         return {}
     labels = data.splits.test_y.numpy()
     counts = [[int((labels[idx] == c).sum()) for c in range(data.num_classes)] for idx in data.personal_test]
-    origin = (lambda idx: idx) if data.test_subset is None else (lambda idx: data.test_subset[idx])
-    return {"personal_test": {"counts": counts, "indices": [origin(idx).tolist() for idx in data.personal_test]}}
+    origin = data.personal_test if data.test_subset is None else [data.test_subset[i] for i in data.personal_test]
+    return {"personal_test": {"counts": counts, "indices": [idx.tolist() for idx in origin]}}
 
 
 def personal_summary(cfg: Config, metrics: list[dict[str, Any]]) -> dict[str, Any]:

@@ -161,8 +161,11 @@ class FrozenFeatures:
 
         return guidance_pixels(self.run.data.splits, x)
 
-    def _cached(self, split: str, indices: np.ndarray, images: torch.Tensor) -> torch.Tensor:
-        key = (split, _digest(indices), len(indices))
+    def _cached(self, split: str, indices: np.ndarray, images: torch.Tensor,
+                source_indices: Optional[np.ndarray] = None) -> torch.Tensor:
+        """Features of ``images[indices]``, cached under ``source_indices`` (the same samples' indices in the
+        dataset source's split; default ``indices``) so a key names the same images in every run."""
+        key = (split, _digest(indices if source_indices is None else source_indices), len(indices))
         if key in self._memory:
             return self._memory[key]
         if len(indices) == 0:
@@ -172,10 +175,8 @@ class FrozenFeatures:
 
         data = self.run.config.data
         params = {k: v for k, v in data.params_dict().items() if k != "root"}  # where the files sit is no recipe
-        recipe = {"features": "image_embeds", "data": params, "indices": key[1], "count": len(indices)}
-        if split == "test" and self.run.config.eval.test_subset < 1:  # the test tensors hold only the subset
-            recipe["test_subset"] = self.run.config.eval.test_subset
-        fkey = FeatureKey(model=self.encoder_id(), dataset=data.name, split=split, recipe=recipe)
+        fkey = FeatureKey(model=self.encoder_id(), dataset=data.name, split=split,
+                          recipe={"features": "image_embeds", "data": params, "indices": key[1], "count": len(indices)})
         array = feature_store(self.cfg).get_or_compute(
             fkey, len(indices), lambda pos: self.embed(self._pixels(images[torch.as_tensor(indices[pos])])),
             batch_size=self.batch_size, rebuild=self.cfg.rebuild, description=f"image features ({split})",
@@ -194,7 +195,8 @@ class FrozenFeatures:
 
     def raw_test(self) -> torch.Tensor:
         splits = self.run.data.splits
-        return self._cached("test", np.arange(len(splits.test_y)), splits.test_x)
+        # Under eval.test_subset the test tensors hold only the subset: the key names its source indices.
+        return self._cached("test", np.arange(len(splits.test_y)), splits.test_x, self.run.data.test_subset)
 
     def test(self) -> torch.Tensor:
         return self.scale(self.raw_test())
