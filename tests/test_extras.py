@@ -32,12 +32,14 @@ from fedguide.cli import registry_listing
 out = {"listed": len(registry_listing()["methods"])}
 with tempfile.TemporaryDirectory() as d:
     out["accuracy"] = fedguide.run(RAW, out=d + "/run", quiet=True).summary["final_accuracy"]
-    for override in ("method.name=feddifrc", "runtime.name=flower-sim", "runtime.name=flower"):
+    for overrides in (["method.name=feddifrc"], ["runtime.name=flower-sim"], ["runtime.name=flower"],
+                      ["method.name=fedrcl", "method.sd_align=1"], ["method.name=fedrcl", "method.generated={}"]):
+        key = " ".join(overrides)
         try:
-            fedguide.run(RAW, [override], out=d + "/x", quiet=True)
-            out[override] = "ran"
+            fedguide.run(RAW, overrides, out=d + "/x", quiet=True)
+            out[key] = "ran"
         except fedguide.ConfigError as err:
-            out[override] = str(err)
+            out[key] = str(err)
 print(json.dumps(out))
 """
 
@@ -88,3 +90,9 @@ def test_without_the_optional_packages_the_core_runs_and_the_layers_name_their_e
     assert out["method.name=feddifrc"].endswith("pip install 'fedguide[guidance]'")
     for runtime in ("flower-sim", "flower"):
         assert out[f"runtime.name={runtime}"].endswith("pip install 'fedguide[flower]'")
+    # FedRCL is core; only its ◇/† options are built on the guidance model, and the error names the option.
+    for option in ("sd_align=1", "generated={}"):
+        message = out[f"method.name=fedrcl method.{option}"]
+        assert message.startswith(f"method.{option.split('=')[0]} of method.name=fedrcl needs the optional 'guidance'")
+        assert message.endswith("pip install 'fedguide[guidance]'")
+    assert "fedrcl" not in {n for n in METHODS.names() if METHODS.get(n).obj.extras}

@@ -60,6 +60,8 @@ def resolve(cfg: Config) -> tuple[Config, dict[str, Any]]:
         "method": METHODS.parse_params(cfg.method.name, cfg.method.params_dict(), "method"),
         "runtime": RUNTIMES.parse_params(cfg.runtime.name, cfg.runtime.params_dict(), "runtime"),
     }
+    for key, extras in METHODS.get(cfg.method.name).obj.option_extras(parsed["method"]).items():
+        require_extras(extras, f"{key} of method.name={cfg.method.name}")
     for section, params in parsed.items():
         own = ("name", *SECTION_KEYS.get(section, ()))  # the section's own keys, not the entry's params
         raw[section] = {**{k: raw[section][k] for k in own if k in raw[section]},

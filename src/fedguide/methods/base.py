@@ -50,6 +50,12 @@ class Method:
         self.params = params
         self.run = run
 
+    @classmethod
+    def option_extras(cls, params: BaseModel) -> dict[str, tuple[str, ...]]:
+        """Install layers that only some settings need: option key (as a config names it) -> extras. Checked
+        after the parameters are parsed, like ``extras``, so the error names the option that asks for them."""
+        return {}
+
     # ---- federation ---------------------------------------------------------------------------
     @staticmethod
     def federation(client_indices: list[np.ndarray]) -> list[np.ndarray]:

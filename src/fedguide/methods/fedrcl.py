@@ -163,6 +163,12 @@ def select_levels(stages: list, levels: Optional[list[int]]) -> list:
 class FedRCL(Method):
     """FedRCL: CE + supervised contrastive loss with a divergence penalty, on every encoder level."""
 
+    @classmethod
+    def option_extras(cls, params):
+        # ◇ and † are the only parts built on the guidance model; plain FedRCL stays in the core.
+        needs = {"method.generated": params.generated is not None, "method.sd_align": params.sd_align > 0}
+        return {key: ("guidance",) for key, on in needs.items() if on}
+
     def __init__(self, params, run):
         super().__init__(params, run)
         self._tap = FeatureTap()
