@@ -3,9 +3,11 @@ the mean ± std cells of their tables."""
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,10 +15,35 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: Any, capture: bool = False) -> str:
-    """``fedguide`` with these arguments, from the repository root; its stdout when ``capture``."""
-    done = subprocess.run([sys.executable, "-m", "fedguide.cli", *map(str, args)], check=True, cwd=REPO,
-                          capture_output=capture, text=True)
-    return done.stdout if capture else ""
+    """``fedguide`` with these arguments, from the repository root; its stdout when ``capture``.
+
+    A suite stopped with SIGTERM (``kill <suite pid>``) passes it on and waits: the run stops as after
+    Ctrl-C, resumable, instead of going on without its suite and holding its folder's lock. On Ctrl-C the
+    terminal has signalled the run too, and the suite waits for it rather than killing it mid-round."""
+    proc = subprocess.Popen([sys.executable, "-m", "fedguide.cli", *map(str, args)], cwd=REPO,
+                            stdout=subprocess.PIPE if capture else None, text=True)
+
+    stopped = []
+
+    def forward(signum, frame):  # no waiting here: the interrupted communicate() holds Popen's wait lock
+        stopped.append(signum)
+        proc.send_signal(signum)
+
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    previous = signal.signal(signal.SIGTERM, forward) if main else None
+    try:
+        out, _ = proc.communicate()
+    except KeyboardInterrupt:
+        proc.wait()
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    if stopped:
+        raise SystemExit(128 + stopped[0])
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args, out)
+    return out if capture else ""
 
 
 def ensure_run(config: Path | str, out: Path, overrides: list[str], quiet: bool = True) -> Path:

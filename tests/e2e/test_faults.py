@@ -68,6 +68,37 @@ def test_sigterm_ends_a_pool_run_like_ctrl_c_and_it_resumes(tmp_path):
     assert summary(run_dir)["rounds"] == 6
 
 
+SUITE = """
+import sys
+sys.path.insert(0, "benchmarks")
+from _runs import ensure_run
+ensure_run(sys.argv[1], __import__("pathlib").Path(sys.argv[2]), [])
+"""
+
+
+@pytest.mark.e2e
+def test_sigterm_to_a_benchmark_suite_stops_its_run_and_leaves_it_resumable(tmp_path):
+    """``kill <suite pid>`` reaches the suite's ``fedguide run`` child: it stops as after Ctrl-C instead of
+    running on alone with its folder locked."""
+    cfg = tiny_config(tmp_path / "cfg.yaml", train={"rounds": 100})
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "FEDGUIDE_OFFLINE": "1"}
+    suite = subprocess.Popen([sys.executable, "-c", SUITE, str(cfg), str(run_dir)], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_rounds(run_dir, 1, suite)
+    child = int((run_dir / ".lock").read_text())
+    assert child != suite.pid
+    suite.send_signal(signal.SIGTERM)
+    out, err = suite.communicate(timeout=120)
+    assert suite.returncode == 128 + signal.SIGTERM, (out, err)
+    assert f"interrupted; continue with: fedguide resume {run_dir}" in out
+    with pytest.raises(ProcessLookupError):  # gone, and reaped by the suite
+        os.kill(child, 0)
+    assert not (run_dir / "summary.json").exists()
+    cli("resume", str(run_dir), "--quiet")  # the lock went with the run
+    assert summary(run_dir)["rounds"] == 100
+
+
 def in_child(work) -> int:
     """Run ``work`` in a forked child (the parent has loaded torch and the data once); its pid."""
     pid = os.fork()
