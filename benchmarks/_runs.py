@@ -7,7 +7,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,23 +21,20 @@ def cli(*args: Any, capture: bool = False) -> str:
     terminal has signalled the run too, and the suite waits for it rather than killing it mid-round."""
     proc = subprocess.Popen([sys.executable, "-m", "fedguide.cli", *map(str, args)], cwd=REPO,
                             stdout=subprocess.PIPE if capture else None, text=True)
-
     stopped = []
 
     def forward(signum, frame):  # no waiting here: the interrupted communicate() holds Popen's wait lock
         stopped.append(signum)
         proc.send_signal(signum)
 
-    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
-    previous = signal.signal(signal.SIGTERM, forward) if main else None
+    previous = signal.signal(signal.SIGTERM, forward)  # suites call this from their main thread
     try:
         out, _ = proc.communicate()
     except KeyboardInterrupt:
         proc.wait()
         raise
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous)
     if stopped:
         raise SystemExit(128 + stopped[0])
     if proc.returncode:

@@ -70,9 +70,10 @@ def test_sigterm_ends_a_pool_run_like_ctrl_c_and_it_resumes(tmp_path):
 
 SUITE = """
 import sys
+from pathlib import Path
 sys.path.insert(0, "benchmarks")
 from _runs import ensure_run
-ensure_run(sys.argv[1], __import__("pathlib").Path(sys.argv[2]), [])
+ensure_run(sys.argv[1], Path(sys.argv[2]), [])
 """
 
 
