@@ -6,7 +6,14 @@ The Python API (``fedguide.api``): ``run``, ``resume``, ``sweep``, ``load``, ``l
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
+
+# cuBLAS reads its workspace setting once per process, at its first call: set here, before anything can make
+# that call, a deterministic run keeps working after earlier CUDA work in the same process (an in-process
+# sweep, the tests). A value the user set wins. (fedguide.core.device.CUBLAS_WORKSPACE; PyTorch's notes on
+# reproducibility.)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 __version__ = "0.1.0"
 

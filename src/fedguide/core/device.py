@@ -14,19 +14,26 @@ from typing import Any, Iterator
 
 import torch
 
+from fedguide.core import simulated
 from fedguide.registry import ConfigError
 
-DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps|simulated)$")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# cuBLAS needs a fixed workspace to give the same sums twice (PyTorch's reproducibility notes).
+# cuBLAS needs a fixed workspace to give the same sums twice (PyTorch's reproducibility notes). CUDA reads
+# the variable once per process, at its first cuBLAS call, so it is set when fedguide is imported (see
+# ``fedguide/__init__.py``), unless the user set it: a deterministic run after any earlier CUDA matmul in the
+# same process (a sweep in one process, the tests) then still gets it.
 CUBLAS_WORKSPACE = ":4096:8"
 
 
 def resolve_device(spec: str, what: str = "train.device") -> torch.device:
     """``auto`` -> cuda when available, else cpu; an explicit device that this machine lacks is a
-    sentence naming ``auto``/``cpu``, not a CUDA error at the first kernel."""
+    sentence naming ``auto``/``cpu``, not a CUDA error at the first kernel. ``simulated``: the CPU under the
+    CUDA backend's rules (``core/simulated.py``)."""
     if not DEVICE_PATTERN.match(spec):
-        raise ConfigError(f"{what}: {spec!r} is not a device; write auto, cpu, cuda or cuda:N")
+        raise ConfigError(f"{what}: {spec!r} is not a device; write auto, cpu, cuda, cuda:N, mps or simulated")
+    if spec == simulated.NAME:
+        return simulated.SIMULATED
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(spec)
@@ -49,9 +56,27 @@ def resolve_device(spec: str, what: str = "train.device") -> torch.device:
 def check_precision(precision: str, device: torch.device) -> None:
     if precision not in PRECISIONS:
         raise ConfigError(f"train.precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
-    if precision == "fp16" and device.type == "cpu":
+    if precision == "fp16" and computes_on_host(device):
         raise ConfigError("train.precision: fp16 needs a GPU (CPU autocast computes in bfloat16); "
-                          "write bf16 or fp32 on a CPU")
+                          "write bf16 or fp32 on a CPU (train.device: simulated runs the fp16 path on the CPU)")
+
+
+def computes_on_host(device: torch.device) -> bool:
+    """True where the host's tensors are the device's (the CPU): nothing to move, nothing to re-encode.
+    The simulated device is not the host: it moves and encodes as a GPU does."""
+    return device.type == "cpu" and not simulated.is_simulated(device)
+
+
+def is_gpu_like(device: torch.device) -> bool:
+    """A device the GPU code paths run on: CUDA, or the simulated device that checks them."""
+    return device.type == "cuda" or simulated.is_simulated(device)
+
+
+def device_rules(device: torch.device) -> contextlib.AbstractContextManager:
+    """The simulated device's checks while the block runs, on the simulated device; nothing elsewhere."""
+    if simulated.is_simulated(device) and simulated.current() is None:
+        return simulated.SimulatedDevice()
+    return contextlib.nullcontext()
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -77,6 +102,11 @@ def to_cpu(value: Any) -> Any:
     return to_device(value, torch.device("cpu"))
 
 
+def set_cublas_workspace() -> None:
+    """The fixed cuBLAS workspace, unless the user chose one (kept for the whole process: CUDA reads it once)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+
+
 @contextlib.contextmanager
 def deterministic(enabled: bool) -> Iterator[None]:
     """PyTorch's deterministic algorithms (and cuBLAS's fixed workspace) while the block runs; the
@@ -86,7 +116,7 @@ def deterministic(enabled: bool) -> Iterator[None]:
         return
     before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
               torch.backends.cudnn.deterministic, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    set_cublas_workspace()
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
     try:
@@ -94,8 +124,7 @@ def deterministic(enabled: bool) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(before[0])
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[1], before[2]
-        if before[3] is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
 
 
 def free_bytes(device: torch.device) -> int | None:

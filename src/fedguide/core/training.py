@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fedguide.core import simulated
 from fedguide.core.device import autocast
 
 
@@ -60,27 +61,28 @@ def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generat
                 break
             if batch.numel() < min_batch:
                 continue
-            ctx.batch_indices = batch
-            if feed is None:
-                x, y = data.x[batch], data.y[batch]
-            else:
-                x, y = feed.train_batch(kept[start: start + cfg.batch_size])
-            if channels_last and x.dim() == 4:
-                x = x.contiguous(memory_format=torch.channels_last)
-            with autocast(device, precision):
-                loss = method.local_loss(model, x, y, ctx)
-            optimizer.zero_grad(set_to_none=True)
-            if scaler is None:
-                loss.backward()
-                method.after_backward(model, ctx)
-                optimizer.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)  # a method's gradient edits see the true gradients
-                method.after_backward(model, ctx)
-                scaler.step(optimizer)
-                scaler.update()
-            loss_sum += loss.detach().float()
+            with simulated.step():
+                ctx.batch_indices = batch
+                if feed is None:
+                    x, y = data.x[batch], data.y[batch]
+                else:
+                    x, y = feed.train_batch(kept[start: start + cfg.batch_size])
+                if channels_last and x.dim() == 4:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                with autocast(device, precision):
+                    loss = method.local_loss(model, x, y, ctx)
+                optimizer.zero_grad(set_to_none=True)
+                if scaler is None:
+                    loss.backward()
+                    method.after_backward(model, ctx)
+                    optimizer.step()
+                else:
+                    scaler.scale(loss).backward()
+                    scaler.unscale_(optimizer)  # a method's gradient edits see the true gradients
+                    method.after_backward(model, ctx)
+                    scaler.step(optimizer)
+                    scaler.update()
+                loss_sum += loss.detach().float()
             steps += 1
     if steps and not torch.isfinite(loss_sum):
         raise FloatingPointError(

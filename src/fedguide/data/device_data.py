@@ -16,6 +16,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from fedguide.core.device import computes_on_host
 from fedguide.data.sources._images import normalise
 from fedguide.data.sources.base import DatasetSplits
 from fedguide.registry import ConfigError
@@ -77,15 +78,15 @@ class DeviceData:
         """``encode``: keep 8-bit images as uint8 (None: where the tensors are moved off the host)."""
         self.device, self.augment = device, augment
         need = bytes_needed(splits)
-        free = free_bytes(device) if free_bytes is not None and device.type != "cpu" else None
+        free = free_bytes(device) if free_bytes is not None and not computes_on_host(device) else None
         if on_device is True and free is not None and need > free:
             raise ConfigError(f"data.on_device: true needs {need / 2**30:.2f} GiB on {device} for the training and "
                               f"test tensors, but {free / 2**30:.2f} GiB are free; write data.on_device: auto "
                               "(kept on the host when it does not fit) or false, or lower data.fraction")
         fits = free is None or need <= HEADROOM * free
-        self.on_device = device.type == "cpu" or on_device is True or (on_device == "auto" and fits)
+        self.on_device = computes_on_host(device) or on_device is True or (on_device == "auto" and fits)
         where = device if self.on_device else torch.device("cpu")
-        encode = where.type != "cpu" if encode is None else encode
+        encode = not computes_on_host(device) if encode is None else encode
         self.train = _store(splits.train_x, splits.pixel_stats, where, encode)
         self.test = _store(splits.test_x, splits.pixel_stats, where, encode)
         self.train_y = splits.train_y.to(where)

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from fedguide.config import TrainConfig
+from fedguide.core import simulated
 from fedguide.core.device import to_device
 from fedguide.core.records import Record
 from fedguide.core.seeding import derive_seed, torch_generator
@@ -21,6 +22,8 @@ class ClientResult:
     loss: Optional[float]  # None: the run's model took no step on this client (inference-only, one-shot)
     num_samples: int
     fit_seconds: float  # the client's whole work: Method.fit and its upload
+    # What the simulated device counted during that work (train.device: simulated), else None.
+    device_counts: Optional[simulated.Counters] = None
 
 
 def run_client(ctx: RunContext, method: Method, train: TrainConfig, seed: int, round_: int, client_id: int,
@@ -28,6 +31,8 @@ def run_client(ctx: RunContext, method: Method, train: TrainConfig, seed: int, r
     # Seeds derive from (seed, round, client) alone, so any worker, in any order, draws the same numbers.
     # Payload and state reach the client from the network, a worker's queue or the disk, on the CPU.
     device = ctx.device if method.on_device else torch.device("cpu")
+    sim = simulated.current()
+    counted = sim.counters.copy() if sim is not None else None
     cctx = ClientContext(client_id, round_, ctx.data.client(client_id), to_device(payload, device),
                          to_device(ctx.store.get(client_id), device),
                          generator=torch_generator(seed, "client", round_, client_id), device_data=ctx.device_data)
@@ -39,4 +44,5 @@ def run_client(ctx: RunContext, method: Method, train: TrainConfig, seed: int, r
     fit_seconds = time.perf_counter() - t0
     if cctx.state_dirty:
         ctx.store.put(client_id, round_, cctx.state)
-    return ClientResult(client_id, upload, loss, len(cctx.data), fit_seconds)
+    counts = sim.counters.since(counted) if sim is not None else None
+    return ClientResult(client_id, upload, loss, len(cctx.data), fit_seconds, counts)

@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 import fedguide
 from fedguide.config import Config, config_differences, flat_keys, to_yaml
 from fedguide.core.atomic import remove_stale_temporaries, write_atomic, write_json, write_jsonl, write_text
-from fedguide.core.device import deterministic, to_device
+from fedguide.core import simulated
+from fedguide.core.device import device_rules, deterministic, resolve_device, to_device
 from fedguide.core.records import record_bytes
 from fedguide.core.seeding import sample_clients
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
@@ -152,7 +153,7 @@ class Experiment:
             else:
                 remove_stale_temporaries(self.run_dir)
                 (self.run_dir / "stopped.json").unlink(missing_ok=True)
-            with deterministic(self.cfg.train.deterministic):
+            with deterministic(self.cfg.train.deterministic), device_rules(resolve_device(self.cfg.train.device)):
                 return self._run(resume)
 
     def _run(self, resume: bool) -> dict[str, Any]:
@@ -180,6 +181,7 @@ class Experiment:
         t_run = time.perf_counter()
         task = self.progress.add_task("rounds", total=rounds, completed=start - 1) if self.progress else None
         clients = self.runtime.start(RunHandle(self.p, ctx, method, self.run_dir, self.log, workers, threads, ckpt))
+        self.device_counts = simulated.Counters()  # the clients' work under train.device: simulated
         pinned = pinned_config(self.cfg)
         loggers = MetricLoggers()
         try:
@@ -249,6 +251,9 @@ class Experiment:
         jobs = [(cid, method.server_payload(r, cid, global_w)) for cid in chosen]
         down = sum(record_bytes(payload) for _, payload in jobs)
         results = clients.run_round(r, jobs, global_w)
+        for res in results:
+            if res.device_counts is not None:
+                self.device_counts.add(res.device_counts)
         # Uploads from other processes arrive on the CPU; the server aggregates where it computes.
         where = ctx.device if method.on_device else torch.device("cpu")
         uploads = [{**to_device(res.upload, where), "client_id": res.client_id} for res in results]
@@ -312,5 +317,7 @@ class Experiment:
         summary.update(personal_summary(self.cfg, metrics))
         summary.update(notes)
         summary.update(clients.finish(metrics))
+        if simulated.current() is not None:
+            summary["device_check"] = simulated.device_check_summary(self.device_counts)
         write_json(self.run_dir / "summary.json", summary)
         return summary

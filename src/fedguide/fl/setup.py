@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from fedguide.config import SECTION_KEYS, Config, build_config
-from fedguide.core.device import check_precision, deterministic, free_bytes, resolve_device
+from fedguide.core.device import check_precision, deterministic, device_rules, free_bytes, resolve_device
 from fedguide.core.evaluation import Evaluator
 from fedguide.core.seeding import derive_seed, numpy_rng
 from fedguide.core.state import ClientStateStore
@@ -135,6 +135,8 @@ def open_run(prepared: Prepared, run_dir: Path, setup: bool = False) -> tuple[Ru
     run_dir = Path(run_dir)
     spec = prepared.data.splits.model_spec()
     device = resolve_device(train.device)
+    if setup:  # a client-side process computes under the simulated device's rules for its whole life
+        device_rules(device).__enter__()
     memory_format = torch.channels_last if train.channels_last else torch.preserve_format
 
     def make_model():
