@@ -138,7 +138,8 @@ def test_learned_scale_takes_the_same_steps_as_a_joint_optimiser():
         loss.backward()
         opt.step()
 
-    # FedNH: the engine's optimiser sees the model only; s steps one batch late and once before upload.
+    # FedNH: the engine's optimiser sees the model only; s has its own, which the loop steps after the model's
+    # (Method.local_optimizers), as the local loop does.
     model = small_model()
     method = FedNH(FedNHParams(learn_scale=True, scale=2.0), run=fake_run(**train))
     ctx = ClientContext(0, 1, None, {"scale": torch.tensor(2.0)}, {})
@@ -149,7 +150,9 @@ def test_learned_scale_takes_the_same_steps_as_a_joint_optimiser():
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    method._step_scale(ctx)
+        for own in method.local_optimizers(ctx):
+            own.step()
+            own.zero_grad(set_to_none=True)
     assert ctx.scratch["scale"].item() == pytest.approx(s.item(), rel=1e-6)
     assert s.item() != 2.0
     assert torch.allclose(model.encoder[0].weight, ref.encoder[0].weight, atol=1e-6)

@@ -157,6 +157,9 @@ class _Marks:
             self._refs.pop(storage._cdata, None)
 
 
+# One table per process: device memory outlives a run (a guidance model loaded once per process, by an
+# earlier run on the simulated device, is still on it in the next).
+_MARKS = _Marks()
 _active = threading.local()
 
 
@@ -178,7 +181,7 @@ class SimulatedDevice:
     """The two modes and their counters; entered with ``with`` for a run (or a worker's life)."""
 
     def __init__(self):
-        self.marks = _Marks()
+        self.marks = _MARKS
         self.counters = Counters()
         self._in_step = False
         self._context_device = False  # where the current Python-level call computes

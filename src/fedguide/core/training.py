@@ -22,6 +22,10 @@ def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
+def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
 def has_batchnorm(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
@@ -54,7 +58,8 @@ def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generat
         if (epoch >= cfg.epochs) if budget is None else (steps >= budget or (epoch > 0 and steps == 0)):
             break
         order = data.indices[torch.randperm(n, generator=generator)]
-        kept = feed.indices(order) if feed is not None else order  # one copy of the order per epoch
+        # One copy of the order per epoch to where the tensors are kept, none per batch.
+        kept = feed.indices(order) if feed is not None else order.to(data.x.device, non_blocking=True)
         for start in range(0, n, cfg.batch_size):
             batch = order[start: start + cfg.batch_size]
             if budget is not None and steps >= budget:
@@ -64,7 +69,7 @@ def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generat
             with simulated.step():
                 ctx.batch_indices = batch
                 if feed is None:
-                    x, y = data.x[batch], data.y[batch]
+                    x, y = data.x[kept[start: start + cfg.batch_size]], data.y[kept[start: start + cfg.batch_size]]
                 else:
                     x, y = feed.train_batch(kept[start: start + cfg.batch_size])
                 if channels_last and x.dim() == 4:
@@ -72,15 +77,26 @@ def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generat
                 with autocast(device, precision):
                     loss = method.local_loss(model, x, y, ctx)
                 optimizer.zero_grad(set_to_none=True)
+                # The method's own optimisers step where this step gave their parameters a gradient (a look at
+                # .grad on the host, no device value read).
                 if scaler is None:
                     loss.backward()
                     method.after_backward(model, ctx)
                     optimizer.step()
+                    for o in method.local_optimizers(ctx):
+                        if _has_grads(o):
+                            o.step()
+                        o.zero_grad(set_to_none=True)
                 else:
                     scaler.scale(loss).backward()
-                    scaler.unscale_(optimizer)  # a method's gradient edits see the true gradients
+                    own = [o for o in method.local_optimizers(ctx) if _has_grads(o)]
+                    for o in (optimizer, *own):
+                        scaler.unscale_(o)  # a method's gradient edits see the true gradients
                     method.after_backward(model, ctx)
-                    scaler.step(optimizer)
+                    for o in (optimizer, *own):
+                        scaler.step(o)  # skipped, each of them, when this step's gradients overflowed
+                    for o in method.local_optimizers(ctx):
+                        o.zero_grad(set_to_none=True)
                     scaler.update()
                 loss_sum += loss.detach().float()
             steps += 1

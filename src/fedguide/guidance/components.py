@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fedguide.config import GuidanceConfig
+from fedguide.core import simulated
 from fedguide.guidance.image_encoder import load_image_encoder
 from fedguide.guidance.sources import GuidanceLoadError, fingerprint, resolve_source
 
@@ -20,6 +21,8 @@ from fedguide.guidance.sources import GuidanceLoadError, fingerprint, resolve_so
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == simulated.NAME:  # the run's simulated device: the guidance model computes under its rules too
+        return simulated.SIMULATED
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise GuidanceLoadError(f"guidance.device={name} but no CUDA device is available; use guidance.device=cpu")

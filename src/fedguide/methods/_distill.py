@@ -21,6 +21,7 @@ Decisions where the paper is silent or ambiguous:
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Literal, Optional, Sequence, Union
 
 import torch
@@ -74,10 +75,16 @@ def teacher_targets(teacher_logits: torch.Tensor, mode: Aggregation, image_teach
     raise ConfigError(f"aggregation '{mode}' is unknown; use ft, md or sd")
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def predict_logits(model: torch.nn.Module, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+    """The model's logits of ``x`` (held anywhere), on the model's device."""
     model.eval()
-    return torch.cat([model(x[i: i + batch_size]) for i in range(0, len(x), batch_size)])
+    device = model_device(model)
+    return torch.cat([model(x[i: i + batch_size].to(device, non_blocking=True)) for i in range(0, len(x), batch_size)])
 
 
 def fit(model: torch.nn.Module, n: int, batch_loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
@@ -92,7 +99,9 @@ def fit(model: torch.nn.Module, n: int, batch_loss: Callable[[torch.nn.Module, t
     if n < min_batch:
         raise ConfigError(f"the server's training set has {n} item(s); it needs at least {min_batch}")
     model.train()
-    total, taken, epoch = 0.0, 0, 0
+    # The loss is summed where it is computed: reading it each step would make the host wait for the device.
+    # (float64: the sum a Python float would give)
+    total, taken, epoch = torch.zeros((), dtype=torch.float64, device=model_device(model)), 0, 0
     while (epoch < epochs) if epochs is not None else (taken < steps):
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, batch_size):
@@ -103,12 +112,13 @@ def fit(model: torch.nn.Module, n: int, batch_loss: Callable[[torch.nn.Module, t
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            total += float(loss.detach())
+            total += loss.detach().double()
             taken += 1
         epoch += 1
-    if taken and not torch.isfinite(torch.tensor(total)):
+    mean = float(total) / max(taken, 1)
+    if taken and not math.isfinite(mean):
         raise FloatingPointError("server-side training diverged; lower its learning rate")
-    return total / max(taken, 1)
+    return mean
 
 
 def sgd(model: torch.nn.Module, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -122,10 +132,13 @@ def train_on_labeled(model: torch.nn.Module, x: Union[torch.Tensor, Callable[[to
     """FedCADO's aggregation: Eq. 6 on (x, y[, teacher targets]) for ``epochs`` epochs. ``x`` is the inputs,
     or a function from batch indices to the batch's inputs (a set read from disk batch by batch)."""
     rows = x if callable(x) else (lambda idx: x[idx])
+    device = model_device(model)
 
     def batch_loss(m: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
-        return aggregation_loss(m(rows(idx)), y[idx], None if targets is None else targets[idx], weight, temperature,
-                                direction)
+        # The set stays where it is kept (a synthetic set may not fit the device); each batch moves once.
+        return aggregation_loss(m(rows(idx).to(device, non_blocking=True)), y[idx].to(device, non_blocking=True),
+                                None if targets is None else targets[idx].to(device, non_blocking=True), weight,
+                                temperature, direction)
 
     return fit(model, len(y), batch_loss, optimizer, batch_size, generator, epochs=epochs)
 

@@ -124,7 +124,9 @@ def frozen(model: SplitModel) -> SplitModel:
 class OneShotMethod(Method):
     """Clients train once and upload their whole model; ``one_shot`` builds the global model in round 1."""
 
-    on_device = False  # small models on cached features or its own loops: the host computes
+    # Uploads and server state stay on the host (whole client models, one round); the models compute on
+    # the run's device: client training with the device batches, teachers and students on the server.
+    on_device = False
     Params = OneShotParams
 
     def __init__(self, params: OneShotParams, run):
@@ -177,7 +179,8 @@ class OneShotMethod(Method):
                 self.run.layout.load(model, self.run.initial_weights)
             else:
                 torch.manual_seed(derive_seed(self.run.config.seed, "model", arch.position + 1))
-                model = build_model(arch.name, arch.params, self.spec)
+                # drawn on the host, then moved: the same initialisation on every device (as run.make_model)
+                model = build_model(arch.name, arch.params, self.spec).to(self.run.device)
         return model
 
     def fresh_global(self, weights: Optional[torch.Tensor] = None) -> SplitModel:
@@ -242,7 +245,8 @@ class OneShotMethod(Method):
             accs = []
             for m in teachers.values():
                 layout = WeightLayout.of(m)
-                evaluator = Evaluator(m, layout, splits.test_x, splits.test_y, self.run.config.train.eval_batch_size)
+                evaluator = Evaluator(m, layout, splits.test_x, splits.test_y, self.run.config.train.eval_batch_size,
+                                      device_data=self.run.device_data)
                 accs.append(evaluator.evaluate(layout.flatten(m))["accuracy"])
                 frozen(m)  # evaluate() loads the weights in place; keep the model frozen
             self.stats["client_models_accuracy_mean"] = float(sum(accs) / len(accs))

@@ -124,9 +124,13 @@ def train_head(model: SplitModel, ctx: ClientContext, train: Any) -> tuple[float
         return train_local(model, _CrossEntropy(), ctx, train, ctx.generator)
     idx = ctx.data.indices
     chunk = max(train.batch_size, 256)
+    parts, labels = [], []
     with torch.no_grad(), autocast(ctx.device, getattr(train, "precision", "fp32")):
-        feats = torch.cat([model.encoder(ctx.batch(idx[i: i + chunk])[0]) for i in range(0, len(idx), chunk)])
-    labels = ctx.data.y[idx].to(feats.device)
+        for i in range(0, len(idx), chunk):
+            x, y = ctx.batch(idx[i: i + chunk])
+            parts.append(model.encoder(x))
+            labels.append(y)
+    feats, labels = torch.cat(parts), torch.cat(labels)
     data = ClientData(ctx.client_id, torch.arange(len(idx)), feats.float(), labels, ctx.data.num_classes)
     head_ctx = ClientContext(ctx.client_id, ctx.round, data, {}, {}, generator=ctx.generator)
     return train_local(model.head, _CrossEntropy(), head_ctx, train, ctx.generator)

@@ -103,6 +103,14 @@ class Method:
         """Between backward and the optimiser step: edit gradients in place (a closed-form term's
         gradient is cheaper added here than traced by autograd)."""
 
+    def local_optimizers(self, ctx: ClientContext) -> list[torch.optim.Optimizer]:
+        """Optimisers of parameters the method owns beside the model's (SemanticFL's learned text projection,
+        FedNH's learned scale), built in ``begin_local``. The local loop steps them with the model's optimiser,
+        after it, and zeroes their gradients; under ``train.precision: fp16`` their gradients are unscaled with
+        the model's (before ``after_backward``) and their step is skipped on overflow like the model's. A
+        method must not step them itself: it would step on gradients scaled by the loss scale."""
+        return []
+
     def client_upload(self, model: "SplitModel", ctx: ClientContext) -> Record:
         return {"weights": self.run.layout.flatten(model), "num_samples": len(ctx.data)}
 

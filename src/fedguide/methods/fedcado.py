@@ -259,7 +259,8 @@ class FedCADO(OneShotMethod):
         own = torch.tensor([position[int(c)] for c in synthetic.clients.tolist()], dtype=torch.long)
         parts, correct = [], 0
         for rows, x in synthetic.chunks():
-            logits = torch.stack([predict_logits(teachers[c], x) for c in order])
+            # on the host, with the set's labels and client ids (the student's batches move one by one)
+            logits = torch.stack([predict_logits(teachers[c], x) for c in order]).cpu()
             mine = own[rows]
             correct += int((logits[mine, torch.arange(len(x))].argmax(1) == synthetic.labels[rows]).sum())
             parts.append(teacher_targets(logits, p.aggregation, mine, p.temperature))

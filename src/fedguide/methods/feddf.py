@@ -198,7 +198,7 @@ class FedDF(OneShotMethod):
         start = (sample_weighted_average([u["weights"] for u in own_arch], [u["num_samples"] for u in own_arch])
                  if own_arch else None)
         student = self.fresh_global(start)
-        x = self.public_inputs()
+        x = self.public_inputs().to(run.device)  # moved once: the teachers and the student read it each step
         targets = mean_logit_targets([predict_logits(t, x) for t in teachers.values()], p.temperature)
 
         def batch_loss(model, idx):

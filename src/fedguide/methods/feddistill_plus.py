@@ -89,6 +89,8 @@ class FedDistillPlus(Method):
         device = ctx.payload["weights"].device
         ctx.scratch["logit_sums"] = torch.zeros(c, c, device=device)
         ctx.scratch["logit_counts"] = torch.zeros(c, device=device)
+        # Asked once per round, not per step: whether any class has a global logit yet (round 1: none).
+        ctx.scratch["distill"] = bool(self.params.lam) and bool(ctx.payload["class_known"].any())
 
     def local_loss(self, model, x, y, ctx):
         logits = model(x)
@@ -96,9 +98,9 @@ class FedDistillPlus(Method):
             ctx.scratch["logit_sums"].index_add_(0, y, logits.detach().float())
             ctx.scratch["logit_counts"].index_add_(0, y, torch.ones_like(y, dtype=torch.float32))
         loss = F.cross_entropy(logits, y)
-        known = ctx.payload["class_known"]
-        if self.params.lam and bool(known.any()):
-            loss = loss + self.params.lam * distill_term(logits, y, ctx.payload["class_logits"], known)
+        if ctx.scratch["distill"]:
+            loss = loss + self.params.lam * distill_term(logits, y, ctx.payload["class_logits"],
+                                                         ctx.payload["class_known"])
         return loss
 
     def client_upload(self, model, ctx):

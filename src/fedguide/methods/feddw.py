@@ -56,7 +56,7 @@ def dw_loss(sl_global: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
 def soft_label_matrix(probs: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 4: per-class mean of softmax outputs; rows of absent classes are zero. Returns (Ω_n, counts)."""
     counts = torch.bincount(labels, minlength=num_classes)
-    sums = torch.zeros(num_classes, probs.shape[1], dtype=probs.dtype).index_add_(0, labels, probs)
+    sums = torch.zeros(num_classes, probs.shape[1], dtype=probs.dtype, device=probs.device).index_add_(0, labels, probs)
     return sums / counts.clamp(min=1).unsqueeze(1).to(probs.dtype), counts
 
 
@@ -89,7 +89,7 @@ class DW(Regularizer):
         if getattr(run.model.head, "bias", None) is not None:
             raise ConfigError("FedDW regularises a classification layer without bias; set model.head_bias=false "
                               "(and, as in the paper's Sec. V-A, model.mapping=[128,128])")
-        self.sl = torch.eye(run.num_classes)  # Ω_0 = I
+        self.sl = torch.eye(run.num_classes, device=run.device)  # Ω_0 = I, where the server aggregates
 
     def server_payload(self, round_, client_id):
         return {"sl": self.sl}
@@ -97,20 +97,21 @@ class DW(Regularizer):
     def loss(self, model, x, y, ctx, payload):
         mu = mu_at(self.params, ctx.round)
         if mu == 0:
-            return torch.zeros(())
+            return torch.zeros((), device=ctx.device)
         return mu * dw_loss(payload["sl"], model.head.weight)
 
     def client_upload(self, model, ctx, payload):
         data = ctx.data
         was_training = model.training
         model.eval()
-        probs = []
+        probs, labels = [], []
         with torch.no_grad():
-            for start in range(0, len(data), 1024):
-                idx = data.indices[start: start + 1024]
-                probs.append(torch.softmax(model(data.x[idx]), dim=1))
+            for start in range(0, len(data), 1024):  # the client's data where the model is (ctx.batch)
+                x, y = ctx.batch(data.indices[start: start + 1024])
+                probs.append(torch.softmax(model(x), dim=1))
+                labels.append(y)
         model.train(was_training)
-        sl, counts = soft_label_matrix(torch.cat(probs), data.labels(), data.num_classes)
+        sl, counts = soft_label_matrix(torch.cat(probs), torch.cat(labels), data.num_classes)
         return {"sl": sl, "counts": counts}
 
     def aggregate(self, round_, uploads):

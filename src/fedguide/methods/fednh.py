@@ -162,15 +162,12 @@ class FedNH(Method):
             ctx.scratch["scale"] = holder.scale
             ctx.scratch["scale_opt"] = make_optimizer(holder, self.run.config.train)
 
-    def _step_scale(self, ctx) -> None:
-        scale = ctx.scratch["scale"]
-        if scale.grad is not None:
-            ctx.scratch["scale_opt"].step()
-            scale.grad = None
+    def local_optimizers(self, ctx):
+        # the learned scale steps with the model, through the loop (fp16: unscaled and skipped on overflow)
+        return [ctx.scratch["scale_opt"]] if self.params.learn_scale else []
 
     def local_loss(self, model, x, y, ctx):
         if self.params.learn_scale:
-            self._step_scale(ctx)
             scale = ctx.scratch["scale"]
         else:
             scale = self.params.scale
@@ -182,7 +179,6 @@ class FedNH(Method):
         upload = {"weights": self.run.layout.flatten(model), "num_samples": len(ctx.data),
                   "class_means": means, "class_counts": counts}
         if self.params.learn_scale:
-            self._step_scale(ctx)
             upload["scale"] = ctx.scratch["scale"].detach().clone()
         return upload
 

@@ -137,15 +137,18 @@ def relaxed_supcon_loss(features: torch.Tensor, labels: torch.Tensor, tau: float
     ``features``: (B, ...) representations (cosine similarity: any scale); ``labels``: (B,).
     Returns 0 (still attached to ``features``) when no two samples share a class.
     """
-    pos = _positives(labels)
-    has_pos = pos.any(1)
-    if not bool(has_pos.any()):
+    if features.shape[0] < 2:  # no pair at all (a shape, known on the host without asking the device)
         return features.sum() * 0.0
+    pos = _positives(labels)
+    has_pos = pos.any(1).to(features.dtype)
     sim = _cosine_matrix(features)
     per_anchor = _supcon(sim, pos, tau)
     if beta != 0:
         per_anchor = per_anchor + beta * _penalty(sim, pos, tau, lam)
-    return per_anchor[has_pos].mean()
+    # The mean over anchors with a positive as a masked sum: selecting them (per_anchor[has_pos]) or asking
+    # whether there are any would make the host wait for the device every step. Anchors without a positive
+    # hold a finite 0, so a batch without pairs gives 0, attached to ``features``.
+    return (per_anchor * has_pos).sum() / has_pos.sum().clamp(min=1)
 
 
 def select_levels(stages: list, levels: Optional[list[int]]) -> list:

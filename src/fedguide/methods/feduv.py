@@ -72,11 +72,14 @@ def uniformity_loss(z: torch.Tensor, detach_bandwidth: bool = False) -> torch.Te
     if z.shape[0] < 2:
         return z.sum() * 0.0
     sq = torch.pdist(z.flatten(1).float(), p=2).pow(2)
-    nonzero = sq[sq != 0]
-    if nonzero.numel() == 0:
-        return z.sum() * 0.0
-    sigma = torch.median(nonzero)
-    return sq.mul(-1.0 / (sigma.detach() if detach_bandwidth else sigma)).exp().mean()
+    # The median of the non-zero distances without selecting them (a selection's size is known only to the
+    # device: the host would wait for it every step): zeros become NaN, which nanmedian skips; NaN when
+    # every distance is zero, and then the loss is 0 (a finite stand-in bandwidth keeps the gradient finite).
+    sigma = torch.nanmedian(sq.masked_fill(sq == 0, float("nan")))
+    none = torch.isnan(sigma)
+    bandwidth = torch.where(none, torch.ones_like(sigma), sigma)
+    loss = sq.mul(-1.0 / (bandwidth.detach() if detach_bandwidth else bandwidth)).exp().mean()
+    return torch.where(none, z.sum() * 0.0, loss)
 
 
 @METHODS.register("feduv", params=FedUVParams)

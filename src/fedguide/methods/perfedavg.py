@@ -31,6 +31,7 @@ from typing import Callable, Literal, Optional, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from fedguide.core import simulated
 from fedguide.core.seeding import torch_generator
 from fedguide.core.training import has_batchnorm, make_optimizer
 from fedguide.methods._personalise import batch_at, batch_stream
@@ -95,14 +96,15 @@ class PerFedAvg(Method):
             ctx.batch_indices = batch
             return self.local_loss(model, *batch_at(ctx, batch), ctx)
 
-        total = torch.zeros(())
+        total = torch.zeros((), device=ctx.device)  # summed on the device: no host read per step
         for _ in range(steps):
-            meta, f_w = meta_gradient(params, loss, [next(stream) for _ in range(per_step)], p.alpha, p.variant,
-                                      p.delta)
-            for q, g in zip(params, meta):
-                q.grad = g
-            optimizer.step()
-            total += f_w.float().cpu()
+            with simulated.step():
+                meta, f_w = meta_gradient(params, loss, [next(stream) for _ in range(per_step)], p.alpha, p.variant,
+                                          p.delta)
+                for q, g in zip(params, meta):
+                    q.grad = g
+                optimizer.step()
+                total += f_w.float()
         if not torch.isfinite(total):
             raise FloatingPointError(f"client {ctx.client_id} diverged in round {ctx.round} (loss is {float(total)}); "
                                      "lower train.lr, method.beta or method.alpha")

@@ -30,7 +30,7 @@ Decisions (SPEC "SemanticFL"; each an option, default first)
   ``data.public_fraction > 0``, else on a seeded sample of the clients' images (the record says which).
 - ``text_projection: learned``: W is trained with the encoder and averaged like the rest. The split
   model has no place for extra parameters, so W travels in the payload and upload under ``text_proj``,
-  is trained by its own optimiser of the run's settings (stepped in ``after_backward``) and is averaged
+  is trained by its own optimiser of the run's settings (stepped by the local loop with the model's, ``local_optimizers``) and is averaged
   with the clients' sample counts in ``aggregate``; it is part of the server state (checkpoints).
   ``fixed``: W is a seeded random map, never trained nor sent. Both start from the same seeded W
   (Gaussian / √H).
@@ -274,11 +274,10 @@ class SemanticFL(Method):
             loss = loss + p.lambda_con * info_nce(f, text, y, p.tau)
         return loss
 
-    def after_backward(self, model, ctx):
-        if self.learned:
-            _, optimizer = ctx.scratch["proj"]
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    def local_optimizers(self, ctx):
+        # The learned projection steps with the model, through the loop (fp16: unscaled and skipped on overflow).
+        # The fixed projection is a tensor kept in float32; autocast casts a copy of it per use.
+        return [ctx.scratch["proj"][1]] if self.learned else []
 
     def client_upload(self, model, ctx):
         upload = super().client_upload(model, ctx)

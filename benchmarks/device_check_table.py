@@ -1,0 +1,89 @@
+"""Every registered method (and regulariser, on FedAvg) for one round on the simulated device and on the CPU:
+whether it runs under CUDA's rules, whether its metrics match the CPU run's, and what it syncs and copies
+per optimiser step. Writes a markdown table.
+
+Each method runs on the config benchmarks/behaviour_hashes.py gives it (the guided ones with the embedded
+guidance models, the one-shot ones with their smallest settings).
+
+    .venv/bin/python benchmarks/device_check_table.py [--only NAME ...] [--runtime-workers 2] \\
+        > benchmarks/results/device_check.md
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fedguide.config import load_config
+from fedguide.fl.engine import Experiment
+from fedguide.fl.setup import prepare
+from fedguide.methods import METHODS
+from fedguide.methods.compose import REGULARIZERS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _hashes():
+    spec = importlib.util.spec_from_file_location("behaviour_hashes", REPO / "benchmarks/behaviour_hashes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+HASHES = _hashes()
+
+
+def cases() -> list[tuple[str, Path, list[str]]]:
+    out = []
+    for name in METHODS.names():
+        config, overrides = HASHES.SPECIAL.get(name, (HASHES.SMOKE, []))
+        if not any(o.startswith("method.name=") for o in overrides):
+            overrides = overrides + [f"method.name={name}"]
+        out.append((name, config, overrides))
+    for reg in REGULARIZERS.names():
+        out.append((f"fedavg+{reg}", HASHES.SMOKE, ["method.name=fedavg", f"regularizers=[{reg}]"]
+                    + (["model.head_bias=false"] if reg == "dw" else [])))
+    return out
+
+
+def run_once(config: Path, overrides: list[str], device: str, workers: int) -> tuple[list[dict], dict, float]:
+    cfg = load_config(config, overrides + [f"train.device={device}", "train.rounds=1", f"runtime.workers={workers}"])
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        summary = Experiment(prepare(cfg), Path(tmp) / "run", log=lambda s: None).run()
+        seconds = time.perf_counter() - t0
+        rows = [HASHES.without_clock(json.loads(x)) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    return rows, summary, seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--runtime-workers", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(f"| method | runs under CUDA's rules | metrics = CPU run | steps | host syncs / step | H2D bytes / step "
+          f"| syncs (round) | H2D bytes (round) | s simulated / s CPU |  (workers={args.runtime_workers})")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, config, overrides in cases():
+        if args.only and name not in args.only:
+            continue
+        try:
+            sim_rows, summary, t_sim = run_once(config, overrides, "simulated", args.runtime_workers)
+        except Exception as err:  # the table reports what fails; the other methods go on
+            print(f"| {name} | **no**: {type(err).__name__}: {str(err).splitlines()[0][:300]} | | | | | | | |", flush=True)
+            continue
+        cpu_rows, _, t_cpu = run_once(config, overrides, "cpu", args.runtime_workers)
+        dc = summary["device_check"]
+        same = "yes" if sim_rows == cpu_rows else "**no**"
+        print(f"| {name} | yes | {same} | {dc['steps']} | {dc['host_syncs_per_step']:.2f} | "
+              f"{dc['h2d_bytes_per_step']:.0f} | {dc['host_syncs']} | {dc['h2d_bytes']} | {t_sim / t_cpu:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
