@@ -5,6 +5,9 @@ from pathlib import Path
 # Tests never reach the network: no dataset download, no model hub.
 os.environ.setdefault("FEDGUIDE_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# CUDA reads the cuBLAS workspace once per process: a deterministic GPU test after any other CUDA work needs it
+# set from the start (fedguide sets it on import too).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 # Under pytest-xdist (`make test` runs one worker per core) each worker computes on one thread: torch's
 # default of a thread per core in every worker oversubscribes the cores and made the suite no faster.
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -54,7 +54,7 @@ def test_missing_device_index_says_how_many_there_are(monkeypatch):
 
 
 def test_a_device_name_that_is_no_device_is_refused():
-    with pytest.raises(ConfigError, match="not a device; write auto, cpu, cuda or cuda:N"):
+    with pytest.raises(ConfigError, match="not a device; write auto, cpu, cuda, cuda:N, mps or simulated"):
         resolve_device("gpu0")
 
 

@@ -64,6 +64,26 @@ _INDEXING = {aten.index, aten.index_put_, aten.index_put, aten._index_put_impl_,
 _SYNCING = {aten._local_scalar_dense, aten.nonzero, aten.nonzero_static, aten.masked_select, aten._unique,
             aten._unique2, aten.unique_consecutive, aten.unique_dim, aten.is_nonzero, aten.equal,
             aten.repeat_interleave, aten.allclose}
+# Operations with no deterministic CUDA kernel (torch.use_deterministic_algorithms' list for torch 2.x):
+# under deterministic algorithms CUDA raises on them, and so does the simulated device. op -> condition.
+_ANY = (lambda args, kwargs: True)
+_NONDETERMINISTIC = {
+    aten.avg_pool3d_backward: _ANY, aten._adaptive_avg_pool2d_backward: _ANY, aten._adaptive_avg_pool3d_backward: _ANY,
+    aten.adaptive_max_pool2d_backward: _ANY, aten.fractional_max_pool2d_backward: _ANY,
+    aten.fractional_max_pool3d_backward: _ANY, aten.max_unpool2d: _ANY, aten.max_unpool3d: _ANY,
+    aten.upsample_linear1d_backward: _ANY, aten.upsample_bilinear2d_backward: _ANY,
+    aten._upsample_bilinear2d_aa_backward: _ANY, aten.upsample_bicubic2d_backward: _ANY,
+    aten._upsample_bicubic2d_aa_backward: _ANY, aten.upsample_trilinear3d_backward: _ANY,
+    aten.reflection_pad1d_backward: _ANY, aten.reflection_pad2d_backward: _ANY, aten.reflection_pad3d_backward: _ANY,
+    aten.nll_loss2d_forward: _ANY, aten._ctc_loss_backward: _ANY, aten.histc: _ANY,
+    aten.grid_sampler_2d_backward: _ANY, aten.grid_sampler_3d_backward: _ANY,
+    aten.put_: _ANY, aten.put: _ANY,
+    aten.bincount: lambda args, kwargs: (args[1] if len(args) > 1 else kwargs.get("weights")) is not None,
+    aten.cumsum: lambda args, kwargs: (kwargs.get("dtype") or args[0].dtype).is_floating_point,
+    aten.median: lambda args, kwargs: len(args) > 1 or "dim" in kwargs,  # with indices output
+    aten.nanmedian: lambda args, kwargs: len(args) > 1 or "dim" in kwargs,
+    aten.kthvalue: _ANY,
+}
 _OWN_FILE = os.path.normcase(os.path.abspath(__file__))
 _TORCH_DIR = os.path.normcase(os.path.dirname(os.path.abspath(torch.__file__)))
 
@@ -98,18 +118,37 @@ class Counters:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
+def _frame_text(frame: traceback.FrameSummary) -> str:
+    where = frame.filename
+    marker = os.sep + "fedguide" + os.sep
+    if marker in where:
+        where = "fedguide" + os.sep + where.rsplit(marker, 1)[1]
+    return f"{where}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+
+
 def caller_line() -> str:
-    """``file:line in function: code`` of the innermost frame outside torch and this module."""
-    for frame in reversed(traceback.extract_stack()):
-        name = os.path.normcase(os.path.abspath(frame.filename))
-        if name == _OWN_FILE or name.startswith(_TORCH_DIR) or frame.filename.startswith("<"):
-            continue
-        where = frame.filename
-        marker = os.sep + "fedguide" + os.sep
-        if marker in where:
-            where = "fedguide" + os.sep + where.rsplit(marker, 1)[1]
-        return f"{where}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
-    return "(no caller outside torch)"
+    """Where an operation came from: the innermost frame outside torch and this module and, when that is not
+    a method's own code (a model's forward, a library's layer), the innermost frame that is (a file of
+    fedguide/methods, or the caller's code outside fedguide and the installed libraries)."""
+    frames = [f for f in reversed(traceback.extract_stack())
+              if not f.filename.startswith("<")
+              and os.path.normcase(os.path.abspath(f.filename)) != _OWN_FILE
+              and not os.path.normcase(os.path.abspath(f.filename)).startswith(_TORCH_DIR)]
+    if not frames:
+        return "(no caller outside torch)"
+
+    def owns(frame: traceback.FrameSummary) -> bool:
+        name = frame.filename
+        inside = os.sep + "fedguide" + os.sep
+        if inside in name:
+            return (os.sep + "methods" + os.sep) in name.rsplit(inside, 1)[1]
+        return "site-packages" not in name and "dist-packages" not in name
+
+    first = frames[0]
+    own = next((f for f in frames if owns(f)), None)
+    if own is None or own is first:
+        return _frame_text(first)
+    return f"{_frame_text(own)} (through {_frame_text(first)})"
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -361,6 +400,11 @@ class _DispatchLayer(TorchDispatchMode):
                     raise sim.mix(func, device, host)
                 if device and packet in _SYNCING:
                     sim.sync()
+            if device and packet in _NONDETERMINISTIC and torch.are_deterministic_algorithms_enabled() \
+                    and _NONDETERMINISTIC[packet](args, kwargs):
+                raise RuntimeError(f"{func} has no deterministic CUDA implementation, and deterministic algorithms "
+                                   f"are on (train.deterministic: true), as CUDA would refuse; at {caller_line()}. "
+                                   "Change the setting that uses it or write train.deterministic: false")
             out = func(*args, **kwargs)
             if device if tensors else sim._context_device:
                 for t in tree_leaves(out):

@@ -15,7 +15,8 @@ import torch
 import yaml
 
 from fedguide.config import SECTION_KEYS, Config, build_config
-from fedguide.core.device import check_precision, deterministic, device_rules, free_bytes, resolve_device
+from fedguide.core.device import (check_precision, deterministic, device_rules, free_bytes, is_gpu_like,
+                                  resolve_device)
 from fedguide.core.evaluation import Evaluator
 from fedguide.core.seeding import derive_seed, numpy_rng
 from fedguide.core.state import ClientStateStore
@@ -106,10 +107,11 @@ def prepare(cfg: Config) -> Prepared:
     partition = [used[p] for p in part.clients]
     client_indices = method_cls.federation(partition)
     try:  # an architecture that cannot take these inputs is a config error, found before any run dir exists
-        build_model(cfg.model.name, params["model"], splits.model_spec())
+        model = build_model(cfg.model.name, params["model"], splits.model_spec())
     except ValueError as err:
         raise ConfigError(str(err)) from None
     check_precision(cfg.train.precision, resolve_device(cfg.train.device))
+    check_deterministic(cfg, model, method_cls, params["method"])
     check_augment(cfg.train.augment, splits.input_shape, splits.train_x.dtype.is_floating_point,
                   splits.pixel_stats is not None)
     data = FederatedData(splits, client_indices, public_indices=public,
@@ -124,6 +126,35 @@ def prepare(cfg: Config) -> Prepared:
         data.personal_test = data.personal_test_split(cfg.eval.personal_test_fraction,
                                                       numpy_rng(cfg.seed, "personal_test"))
     return Prepared(cfg, params, data, method_cls)
+
+
+# Layers whose backward has no deterministic CUDA kernel (adaptive pooling to one value per channel is a mean,
+# which has one).
+_NONDETERMINISTIC_LAYERS = (torch.nn.AdaptiveAvgPool2d, torch.nn.AdaptiveAvgPool3d, torch.nn.AdaptiveMaxPool2d,
+                            torch.nn.FractionalMaxPool2d, torch.nn.ReflectionPad1d, torch.nn.ReflectionPad2d,
+                            torch.nn.ReflectionPad3d, torch.nn.Upsample)
+
+
+def check_deterministic(cfg: Config, model: torch.nn.Module, method_cls: type[Method], method_params: Any) -> None:
+    """``train.deterministic: true`` on a GPU (or the simulated device) with an operation CUDA has no
+    deterministic kernel for is refused now, naming the setting to change, instead of raising mid-run."""
+    if not cfg.train.deterministic or not is_gpu_like(resolve_device(cfg.train.device)):
+        return
+    reasons = []
+    if cfg.train.augment == "autoaugment":
+        reasons.append("train.augment: autoaugment equalises histograms with a floating-point cumsum, which has no "
+                       "deterministic CUDA kernel; write train.augment: crop_flip")
+    for name, layer in model.named_modules():
+        if isinstance(layer, _NONDETERMINISTIC_LAYERS) and getattr(layer, "output_size", None) not in (1, (1, 1)):
+            reasons.append(f"model {cfg.model.name}'s layer {name} ({type(layer).__name__}) has no deterministic "
+                           "CUDA backward; choose another model or input size")
+            break
+    why = method_cls.gpu_nondeterminism(method_params, cfg)
+    if why:
+        reasons.append(f"method {cfg.method.name}: {why}")
+    if reasons:
+        raise ConfigError("train.deterministic: true on a GPU cannot run these settings: " + "; ".join(reasons)
+                          + " (or write train.deterministic: false)")
 
 
 def open_run(prepared: Prepared, run_dir: Path, setup: bool = False) -> tuple[RunContext, Method]:

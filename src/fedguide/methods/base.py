@@ -56,6 +56,12 @@ class Method:
         after the parameters are parsed, like ``extras``, so the error names the option that asks for them."""
         return {}
 
+    @classmethod
+    def gpu_nondeterminism(cls, params: BaseModel, config: Any) -> Optional[str]:
+        """Why these settings cannot run with ``train.deterministic: true`` on a GPU (an operation they use has
+        no deterministic CUDA kernel), as a sentence naming the option to change; None when they can."""
+        return None
+
     # ---- federation ---------------------------------------------------------------------------
     @staticmethod
     def federation(client_indices: list[np.ndarray]) -> list[np.ndarray]:

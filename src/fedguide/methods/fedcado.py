@@ -209,6 +209,14 @@ class FedCADO(OneShotMethod):
     extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
     Params = FedCADOParams
 
+    @classmethod
+    def gpu_nondeterminism(cls, params, config):
+        if params.ce_loss or params.bn_loss:
+            return ("the classifier guidance differentiates through the bilinear resize of each generated image to "
+                    "the classifier's input, whose CUDA backward has no deterministic kernel; write "
+                    "method.ce_loss=false method.bn_loss=false (text-only generation) or train.deterministic: false")
+        return None
+
     # ---- what the subclass SD_Gen changes ---------------------------------------------------------
     def guidance_terms(self) -> tuple[bool, bool, bool]:
         """(CE loss, BN loss, noise editing)."""
