@@ -53,12 +53,14 @@ def test_sd_alignment_adds_lambda_times_the_normalised_l2_to_its_targets(tmp_pat
     sd = method._sd
     rows = sd._rows(ctx.data.client(0).indices[:3])
     e = torch.as_tensor(sd.features[rows]).float()
-    assert torch.allclose(sd.targets(ctx.data.client(0).indices[:3], torch.zeros(1)), e @ sd.map.T)  # P e(x)
     cctx, x, y = client(ctx, method)
+    first = ClientContext(0, 1, ctx.data.client(0), {}, {}, scratch=cctx.scratch,
+                          batch_indices=ctx.data.client(0).indices[:3])
+    assert torch.allclose(sd.targets(first, torch.zeros(1)), e @ sd.map.T)  # P e(x)
     with torch.no_grad():
         got = method.local_loss(ctx.model, x, y, cctx)
         z, logits = ctx.model.forward_features(x)
-        expected = F.cross_entropy(logits, y) + 2.0 * alignment_loss(z, sd.targets(cctx.batch_indices, z), True)
+        expected = F.cross_entropy(logits, y) + 2.0 * alignment_loss(z, sd.targets(cctx, z), True)
     method._tap.detach()
     assert got.item() == pytest.approx(expected.item(), rel=1e-6)
     record = json.loads((tmp_path / "run" / "guidance" / "fedrcl.json").read_text())["sd_features"]

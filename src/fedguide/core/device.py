@@ -110,9 +110,15 @@ def set_cublas_workspace() -> None:
 @contextlib.contextmanager
 def deterministic(enabled: bool) -> Iterator[None]:
     """PyTorch's deterministic algorithms (and cuBLAS's fixed workspace) while the block runs; the
-    previous settings come back after it, so one deterministic run does not change the next."""
+    previous settings come back after it, so one deterministic run does not change the next. A run that is
+    not deterministic lets cuDNN pick its fastest convolution algorithms (``cudnn.benchmark``) instead."""
     if not enabled:
-        yield
+        benchmark = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = True
+        try:
+            yield
+        finally:
+            torch.backends.cudnn.benchmark = benchmark
         return
     before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
               torch.backends.cudnn.deterministic, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from fedguide.core.device import autocast
 from fedguide.core.weights import WeightLayout
 
 
@@ -17,11 +18,21 @@ class Evaluator:
 
     def __init__(self, model: torch.nn.Module, layout: WeightLayout, x: torch.Tensor, y: torch.Tensor, batch_size: int,
                  domains: Optional[torch.Tensor] = None, domain_names: Optional[list[str]] = None,
-                 device_data: Any = None, client_classes: Optional[dict[int, list[int]]] = None):
+                 device_data: Any = None, client_classes: Optional[dict[int, list[int]]] = None,
+                 precision: str = "fp32", channels_last: bool = False):
         self.model, self.layout, self.x, self.y, self.batch_size = model, layout, x, y, batch_size
         self.domains, self.domain_names = domains, domain_names
         self.device_data = device_data
         self.client_classes = client_classes  # eval.client_classes: every score adds client_class_accuracy
+        # The training's train.precision and train.channels_last: the test pass computes as the steps do.
+        self.precision, self.channels_last = precision, channels_last
+
+    def _forward(self, xb: torch.Tensor, features: bool = False):
+        if self.channels_last and xb.dim() == 4:
+            xb = xb.contiguous(memory_format=torch.channels_last)
+        with autocast(xb.device, self.precision):
+            out = self.model.forward_features(xb) if features else self.model(xb)
+        return tuple(o.float() for o in out) if features else out.float()
 
     def _batches(self):
         """(inputs, labels) of the test set in order, where the model is."""
@@ -52,13 +63,15 @@ class Evaluator:
     def evaluate(self, weights: torch.Tensor) -> dict[str, Any]:
         self.layout.load(self.model, weights)
         self.model.eval()
-        preds, loss_sum = [], 0.0
+        preds, losses = [], []
         for xb, yb in self._batches():
-            logits = self.model(xb)
-            loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+            logits = self._forward(xb)
+            losses.append(F.cross_entropy(logits, yb, reduction="sum").double())
             preds.append(logits.argmax(1))
         out = self.score(torch.cat(preds).cpu())
-        out["test_loss"] = loss_sum / len(self.y)
+        # Read once at the end, not per batch: a per-batch float() would wait for the device each time. The
+        # batch sums are added in float64 and in order, as the Python float sum before them was.
+        out["test_loss"] = float(sum(losses[1:], losses[0])) / len(self.y) if losses else 0.0
         return out
 
     @torch.no_grad()
@@ -68,7 +81,7 @@ class Evaluator:
         self.model.eval()
         zs, logits = [], []
         for xb, _ in self._batches():
-            z, out = self.model.forward_features(xb)
+            z, out = self._forward(xb, features=True)
             zs.append(z)
             logits.append(out)
         z = torch.cat(zs)
@@ -79,15 +92,15 @@ class Evaluator:
         """How many of the test samples ``indices`` (host indices) the model ``weights`` classifies right."""
         self.layout.load(self.model, weights)
         self.model.eval()
-        hits = 0
+        hits = []
         for start in range(0, len(indices), self.batch_size):
             part = indices[start: start + self.batch_size]
             if self.device_data is None:
                 xb, yb = self.x[part], self.y[part]
             else:
                 xb, yb = self.device_data.test_batch_at(part)
-            hits += int((self.model(xb).argmax(1) == yb).sum())
-        return hits
+            hits.append((self._forward(xb).argmax(1) == yb).sum())
+        return int(torch.stack(hits).sum()) if hits else 0
 
 
 def class_set_accuracy(correct: torch.Tensor, labels: torch.Tensor, class_sets: dict[int, list[int]]
@@ -97,7 +110,7 @@ def class_set_accuracy(correct: torch.Tensor, labels: torch.Tensor, class_sets: 
     client's; a client whose classes have no test sample is left out."""
     out = {}
     for cid, classes in class_sets.items():
-        mask = torch.isin(labels, torch.as_tensor(classes, dtype=labels.dtype))
+        mask = torch.isin(labels, torch.as_tensor(classes, dtype=labels.dtype, device=labels.device))
         if bool(mask.any()):
             out[str(cid)] = float(correct[mask].double().mean())
     return out

@@ -69,9 +69,11 @@ def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generat
             with simulated.step():
                 ctx.batch_indices = batch
                 if feed is None:
+                    ctx.batch_device_indices = None
                     x, y = data.x[kept[start: start + cfg.batch_size]], data.y[kept[start: start + cfg.batch_size]]
                 else:
-                    x, y = feed.train_batch(kept[start: start + cfg.batch_size])
+                    ctx.batch_device_indices = kept[start: start + cfg.batch_size]
+                    x, y = feed.train_batch(ctx.batch_device_indices)
                 if channels_last and x.dim() == 4:
                     x = x.contiguous(memory_format=torch.channels_last)
                 with autocast(device, precision):

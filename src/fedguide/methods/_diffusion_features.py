@@ -94,6 +94,39 @@ def lookup(array: np.ndarray, rows: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array[rows], dtype=np.float32))
 
 
+class ClientPositions:
+    """Global sample index -> position among one client's samples, as a table on the run's device, built once
+    per round; a batch's positions are then one device-side gather of the loop's device batch indices
+    (``ctx.batch_device_indices``), with no host lookup, copy or sync per step."""
+
+    def __init__(self, client_indices: torch.Tensor, num_samples: int, device: torch.device):
+        own = torch.as_tensor(client_indices, dtype=torch.long).to(device)
+        self.table = torch.zeros(num_samples, dtype=torch.long, device=device)
+        self.table[own] = torch.arange(len(own), device=device)
+
+    def __call__(self, ctx) -> torch.Tensor:
+        idx = ctx.batch_device_indices
+        if idx is None:  # a loop without device data (a test's own loop): the host indices, moved
+            if ctx.batch_indices is None:
+                raise RuntimeError("ctx.batch_indices is not set: this method looks up per-sample features by the "
+                                   "global indices the local loop sets before calling local_loss")
+            idx = torch.as_tensor(ctx.batch_indices, dtype=torch.long).to(self.table.device)
+        return self.table[idx]
+
+
+class ClientTargets:
+    """One client's rows of a per-sample feature cache (memory-mapped, all training samples) on the run's
+    device for a round: gathered and moved once in ``begin_local``, then looked up per batch on the device."""
+
+    def __init__(self, array: np.ndarray, rows: RowLookup, ctx, num_samples: int, device: torch.device):
+        indices = ctx.data.indices
+        self.values = lookup(array, rows(indices.numpy())).to(device)  # the same float32 rows, once
+        self.positions = ClientPositions(indices, num_samples, device)
+
+    def __call__(self, ctx) -> torch.Tensor:
+        return self.values[self.positions(ctx)]
+
+
 def guidance_images(run, indices: np.ndarray) -> torch.Tensor:
     """Training images of ``indices`` in [-1, 1]."""
     return guidance_pixels(run.data.splits, run.data.splits.train_x[torch.as_tensor(indices, dtype=torch.long)])

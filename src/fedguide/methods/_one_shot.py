@@ -256,8 +256,8 @@ class OneShotMethod(Method):
         if round_ != 1:
             return self.run.evaluator.evaluate(global_weights)
         # One pass over the test set gives the usual metrics and the per-client ones.
-        _, logits, y = self.run.evaluator.features(global_weights)
-        predictions = logits.argmax(1)
+        _, logits, _ = self.run.evaluator.features(global_weights)
+        predictions, y = logits.argmax(1).cpu(), self.run.evaluator.y  # scored on the host, as score() does
         out = self.run.evaluator.score(predictions, logits)
         out.update(self.stats)
         out.update(client_class_accuracy(predictions, y, self.client_classes))

@@ -68,10 +68,15 @@ class SDFeatureTargets:
         return {"folder": str(store.path(key)), "seconds": round(seconds, 3), "shape": list(self.features.shape),
                 "layers": list(self.layers), "image_size": self.image_size}
 
-    def targets(self, batch_indices, like: torch.Tensor) -> torch.Tensor:
-        """P e(x) [B, z dim] of the batch's samples (global indices), on ``like``'s device and dtype."""
-        from fedguide.methods._diffusion_features import lookup
+    def begin(self, ctx) -> None:
+        """The client's features and the map on the run's device, once per round."""
+        from fedguide.methods._diffusion_features import ClientTargets
 
-        e = lookup(self.features, self._rows(batch_indices)).to(like.device, like.dtype)
-        self.map = self.map.to(like.device, like.dtype)
-        return e @ self.map.T
+        ctx.scratch["sd_features"] = ClientTargets(self.features, self._rows, ctx, len(self.run.data.splits.train_y),
+                                                   ctx.device)
+        ctx.scratch["sd_map"] = self.map.to(ctx.device)
+
+    def targets(self, ctx, like: torch.Tensor) -> torch.Tensor:
+        """P e(x) [B, z dim] of the batch's samples, in ``like``'s dtype (looked up on the device)."""
+        e = ctx.scratch["sd_features"](ctx).to(like.dtype)
+        return e @ ctx.scratch["sd_map"].to(like.dtype).T

@@ -34,8 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedguide.guidance.shared import feature_store, guidance_model
 from fedguide.guidance.store import FeatureKey
 from fedguide.guidance.vit_encoder import Pooling
-from fedguide.methods._diffusion_features import (GuidanceRecord, RowLookup, cached_features, data_recipe, digest,
-                                                  guidance_images, lookup, timed, training_rows)
+from fedguide.methods._diffusion_features import (ClientTargets, GuidanceRecord, RowLookup, cached_features,
+                                                  data_recipe, digest, guidance_images, timed, training_rows)
 from fedguide.methods.base import METHODS, Method
 from fedguide.registry import ConfigError
 
@@ -118,6 +118,12 @@ class AlignFeatures(Method):
         z, logits = model.forward_features(x)
         loss = F.cross_entropy(logits, y)
         if self.params.lam > 0:
-            target = lookup(self._embeds, self._rows(ctx.batch_indices)) @ self.map.T
-            loss = loss + self.params.lam * alignment_loss(z, target.to(z.device, z.dtype), self.params.normalize)
+            target = ctx.scratch["embeds"](ctx) @ ctx.scratch["map"].T
+            loss = loss + self.params.lam * alignment_loss(z, target.to(z.dtype), self.params.normalize)
         return loss
+
+    def begin_local(self, model, ctx):
+        if self.params.lam > 0:  # the client's embeddings and the map go to the device once per round
+            ctx.scratch["embeds"] = ClientTargets(self._embeds, self._rows, ctx, len(self.run.data.splits.train_y),
+                                                  ctx.device)
+            ctx.scratch["map"] = self.map.to(ctx.device)

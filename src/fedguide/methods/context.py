@@ -60,8 +60,10 @@ class ClientContext:
     scratch: dict[str, Any] = field(default_factory=dict)  # per-round, never persisted
     state_dirty: bool = False
     steps: int = 0  # optimiser steps taken in this round's local training (set by ``Method.fit``)
-    # Global sample indices of the batch ``local_loss`` is called with (per-sample cached features).
+    # Global sample indices of the batch ``local_loss`` is called with (per-sample cached features), on the host,
+    # and the same indices where the run computes (None where the loop has no device data).
     batch_indices: Any = None
+    batch_device_indices: Any = None
     # The client's random stream of this round, derived from (seed, round, client): batch order.
     generator: Optional[torch.Generator] = None
     # The run's tensors where it computes, which the local loop gathers its batches from (None: the host

@@ -79,11 +79,11 @@ from fedguide.guidance.fused import FusedFeatures, layer_dims
 from fedguide.guidance.hooks import decoder_layer
 from fedguide.guidance.shared import PROMPT, class_prompts, feature_store, guidance_model
 from fedguide.guidance.store import FeatureKey, FeatureStore
-from fedguide.methods._diffusion_features import (GuidanceRecord, RowLookup, block_channels, cached_features,
-                                                  data_recipe, digest, feature_key, fit_basis, fit_sample,
-                                                  guidance_images, in_batches, input_size, input_size_note,
-                                                  loaded_input_size, lookup, prompt_maps, prompt_vectors, timed,
-                                                  training_rows)
+from fedguide.methods._diffusion_features import (ClientPositions, ClientTargets, GuidanceRecord, RowLookup,
+                                                  block_channels, cached_features, data_recipe, digest, feature_key,
+                                                  fit_basis, fit_sample, guidance_images, in_batches, input_size,
+                                                  input_size_note, loaded_input_size, prompt_maps, prompt_vectors,
+                                                  timed, training_rows)
 from fedguide.methods._linear_probe import LinearProbe, linear_probe  # noqa: F401  (linear_probe: its tests)
 from fedguide.methods.base import METHODS, Method
 from fedguide.registry import ConfigError
@@ -408,17 +408,24 @@ class FedDifRC(Method):
         out = []
         with torch.no_grad():
             for b in in_batches(indices, self.params.extract_batch):
-                condition = model.encoder(ctx.data.x[torch.from_numpy(b)].to(device))
+                condition = model.encoder(ctx.batch(torch.from_numpy(b))[0])  # the client's data where h is
                 out.append(prompt_vectors(self.tdcl_feats, guidance_images(self.run, b), b, self.tdcl_tokens,
                                           every.expand(len(b), -1), condition=condition))
         model.train(was_training)
         return torch.cat(out)
 
     def begin_local(self, model, ctx):
+        p = self.params
         ctx.scratch["condition"] = (0.0, 0)
+        # The client's cached targets go to the device once per round; a step looks its batch up there.
+        n = len(self.run.data.splits.train_y)
+        if p.ndcr and p.lambda_ndcr > 0:
+            ctx.scratch["ndcr"] = ClientTargets(self._ndcr, self._rows, ctx, n, ctx.device)
         if self.refresh == "never":
+            if p.tdcl and p.lambda_tdcl > 0:
+                ctx.scratch["tdcl"] = ClientTargets(self._tdcl, self._rows, ctx, n, ctx.device)
             return
-        ctx.scratch["client_rows"] = RowLookup(ctx.data.indices.numpy())
+        ctx.scratch["client_rows"] = ClientPositions(ctx.data.indices, n, ctx.device)
         stored = ctx.state.get("tdcl_features")
         if (self.refresh == "every_k" and stored is not None
                 and ctx.round - int(ctx.state["tdcl_round"]) < self.params.refresh_every):
@@ -440,17 +447,16 @@ class FedDifRC(Method):
         z, logits = model.forward_features(x)
         loss = z.new_zeros(()) if p.self_supervised else F.cross_entropy(logits, y)
         use_tdcl, use_ndcr = p.tdcl and p.lambda_tdcl > 0, p.ndcr and p.lambda_ndcr > 0
-        rows = self._rows(ctx.batch_indices) if use_ndcr or (use_tdcl and self.refresh == "never") else None
         if use_tdcl:
             if self.refresh == "never":
-                targets = lookup(self._tdcl, rows)
+                targets = ctx.scratch["tdcl"](ctx)
             else:
-                targets = ctx.scratch["tdcl"][torch.from_numpy(ctx.scratch["client_rows"](ctx.batch_indices))]
+                targets = ctx.scratch["tdcl"][ctx.scratch["client_rows"](ctx)]
             positive = torch.zeros_like(y) if p.self_supervised else y
             loss = loss + p.lambda_tdcl * tdcl_loss(z, targets.to(z.device, z.dtype), positive, p.tau, p.spread,
                                                     self._lift_like(z))
         if use_ndcr:
-            target = lookup(self._ndcr, rows).to(z.device, z.dtype)
+            target = ctx.scratch["ndcr"](ctx).to(z.dtype)
             lift = self._lift_like(z)
             # One target per sample: lifting it costs what projecting z would (unlike TDCL's B·P targets).
             loss = loss + p.lambda_ndcr * ndcr_loss(z, target if lift is None else target @ lift.T, p.ndcr_form)

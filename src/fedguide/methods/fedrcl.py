@@ -204,6 +204,8 @@ class FedRCL(Method):
         self._tap.attach(model.encoder, stages, preactivation=self.params.preactivation)
         if self._generated is not None:
             ctx.scratch["generated"] = self._generated.pool(ctx.client_id, ctx.payload["weights"].device)
+        if self._sd is not None:
+            self._sd.begin(ctx)
 
     def local_loss(self, model, x, y, ctx):
         p, real = self.params, len(y)
@@ -219,7 +221,7 @@ class FedRCL(Method):
         if self._sd is not None:  # †: the real samples' z towards the guidance model's features of their images
             from fedguide.methods.align_features import alignment_loss
 
-            loss = loss + p.sd_align * alignment_loss(z[:real], self._sd.targets(ctx.batch_indices, z),
+            loss = loss + p.sd_align * alignment_loss(z[:real], self._sd.targets(ctx, z),
                                                       normalize=True)
         return loss
 

@@ -64,11 +64,11 @@ from fedguide.core.training import make_optimizer
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec
 from fedguide.guidance.fused import PooledPCAFeatures
 from fedguide.guidance.shared import class_prompts, feature_store, guidance_model
-from fedguide.methods._diffusion_features import (GuidanceRecord, RowLookup, block_channels, cached_features,
-                                                  data_recipe, digest, feature_key, fit_basis, fit_sample,
-                                                  guidance_images, in_batches, input_size, input_size_note,
-                                                  loaded_input_size, lookup, prompt_maps, prompt_vectors, timed,
-                                                  training_rows)
+from fedguide.methods._diffusion_features import (ClientTargets, GuidanceRecord, RowLookup, block_channels,
+                                                  cached_features, data_recipe, digest, feature_key, fit_basis,
+                                                  fit_sample, guidance_images, in_batches, input_size,
+                                                  input_size_note, loaded_input_size, prompt_maps, prompt_vectors,
+                                                  timed, training_rows)
 from fedguide.methods.base import METHODS, Method
 from fedguide.registry import ConfigError
 
@@ -254,8 +254,12 @@ class SemanticFL(Method):
         if p.kd and p.extraction_site == "client":
             rows = np.sort(ctx.data.indices.numpy())
             features, seconds = timed(lambda: self._extract(rows, False))
-            ctx.scratch["visual"] = (RowLookup(rows), features)
             ctx.scratch["extract_seconds"] = seconds
+        elif p.kd:
+            rows, features = None, self._visual
+        if p.kd and p.lambda_kd > 0:  # the client's visual features go to the device once per round
+            rows_of = RowLookup(rows) if rows is not None else self._rows
+            ctx.scratch["visual"] = ClientTargets(features, rows_of, ctx, len(self.run.data.splits.train_y), ctx.device)
 
     def _projection(self, ctx) -> torch.Tensor:
         return ctx.scratch["proj"][0].weight if self.learned else self.proj
@@ -266,8 +270,7 @@ class SemanticFL(Method):
         loss = F.cross_entropy(logits, y)
         f = F.normalize(z, dim=1)
         if p.kd and p.lambda_kd > 0:
-            rows, features = ctx.scratch["visual"] if p.extraction_site == "client" else (self._rows, self._visual)
-            visual = lookup(features, rows(ctx.batch_indices)).to(z.device, z.dtype)
+            visual = ctx.scratch["visual"](ctx).to(z.dtype)
             loss = loss + p.lambda_kd * kd_loss(visual, f, p.kd_form, p.kd_tau)
         if p.con and p.lambda_con > 0:
             text = self.text.to(z.device, z.dtype) @ self._projection(ctx).to(z.device, z.dtype).T
