@@ -49,3 +49,45 @@ def test_local_steps_is_the_same_for_every_client_size(n):
     assert all(0 < b <= 8 for b in batches)
     if n == 3:
         assert batches == [3] * 7  # a tiny client passes over its data seven times
+
+
+class OwnScale(Method):
+    """A method with a parameter of its own (like FedNH's learned scale) and its own optimiser."""
+
+    def __init__(self, boost: float = 1.0):
+        super().__init__(None, None)
+        self.boost = boost
+
+    def begin_local(self, model, ctx):
+        self.scale = nn.Parameter(torch.tensor(2.0))
+        self.opt = torch.optim.SGD([self.scale], lr=0.1)
+
+    def local_optimizers(self, ctx):
+        return [self.opt]
+
+    def local_loss(self, model, x, y, ctx):
+        return nn.functional.cross_entropy(self.scale * model(x), y) * self.boost
+
+
+def _own_scale(precision, boost=1.0):
+    torch.manual_seed(0)
+    method, model = OwnScale(boost), nn.Linear(4, 3)
+    ctx = ClientContext(0, 1, Data(16), {}, {})
+    train_local(model, method, ctx, TrainConfig(batch_size=8, lr=0.1, momentum=0.0, weight_decay=0.0,
+                                                precision=precision), torch.Generator().manual_seed(0))
+    return method.scale.detach().item(), model.weight.detach().clone()
+
+
+def test_a_methods_own_optimiser_steps_on_unscaled_gradients_under_fp16():
+    # fp16 scales the loss by 65536 before backward: an owned optimiser stepping on those gradients would move the
+    # scale by thousands; the loop unscales them with the model's.
+    fp32, _ = _own_scale("fp32")
+    fp16, _ = _own_scale("fp16")
+    assert fp32 != 2.0 and abs(fp16 - fp32) < 1e-2 * abs(fp32 - 2.0) + 1e-3
+
+
+def test_an_overflowing_step_is_skipped_for_the_methods_own_optimiser_too():
+    scale, weight = _own_scale("fp16", boost=1e4)  # a finite loss whose scaled fp16 gradients overflow
+    assert scale == 2.0  # every step overflowed: neither optimiser stepped
+    torch.manual_seed(0)
+    assert torch.equal(weight, nn.Linear(4, 3).weight.detach())

@@ -98,11 +98,12 @@ def test_class_feature_means_batched_hand_computed():
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
     y = torch.tensor([0, 0, 2, 1])
     data = ClientData(0, torch.tensor([0, 1, 2]), x, y, 3)  # sample 3 belongs to another client
-    means, counts = class_feature_means(identity_model(), data, batch_size=2)
+    fetch = lambda idx: (x[idx], y[idx])  # noqa: E731  (ClientContext.batch on the host)
+    means, counts = class_feature_means(identity_model(), data, 2, fetch)
     # class 0: ([1,2] + [3,4]) / 2 = [2, 3];  class 1: none here -> 0;  class 2: [5, 6]
     assert torch.allclose(means, torch.tensor([[2.0, 3.0], [0.0, 0.0], [5.0, 6.0]]))
     assert counts.tolist() == [2, 0, 1]
-    normed, _ = class_feature_means(identity_model(), data, batch_size=1, normalize=True)
+    normed, _ = class_feature_means(identity_model(), data, 1, fetch, normalize=True)
     # ([1,2]/√5 + [3,4]/5) / 2
     expected0 = (torch.tensor([1.0, 2.0]) / 5 ** 0.5 + torch.tensor([0.6, 0.8])) / 2
     assert torch.allclose(normed[0], expected0)

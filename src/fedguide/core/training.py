@@ -44,6 +44,8 @@ def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generat
     optimizer = make_optimizer(model, cfg)
     model.train()
     method.begin_local(model, ctx)
+    # Optimisers of parameters the method owns beside the model's (Method.local_optimizers), built in begin_local.
+    owned = list(method.local_optimizers(ctx)) if hasattr(method, "local_optimizers") else []
     precision = getattr(cfg, "precision", "fp32")
     channels_last = getattr(cfg, "channels_last", False)
     device = feed.device if feed is not None else data.x.device
@@ -85,19 +87,19 @@ def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generat
                     loss.backward()
                     method.after_backward(model, ctx)
                     optimizer.step()
-                    for o in method.local_optimizers(ctx):
+                    for o in owned:
                         if _has_grads(o):
                             o.step()
                         o.zero_grad(set_to_none=True)
                 else:
                     scaler.scale(loss).backward()
-                    own = [o for o in method.local_optimizers(ctx) if _has_grads(o)]
-                    for o in (optimizer, *own):
+                    stepping = (optimizer, *[o for o in owned if _has_grads(o)])
+                    for o in stepping:
                         scaler.unscale_(o)  # a method's gradient edits see the true gradients
                     method.after_backward(model, ctx)
-                    for o in (optimizer, *own):
+                    for o in stepping:
                         scaler.step(o)  # skipped, each of them, when this step's gradients overflowed
-                    for o in method.local_optimizers(ctx):
+                    for o in owned:
                         o.zero_grad(set_to_none=True)
                     scaler.update()
                 loss_sum += loss.detach().float()

@@ -102,13 +102,12 @@ def nearest_prototype(z: torch.Tensor, protos: torch.Tensor, present_mask: torch
 
 
 @torch.no_grad()
-def class_feature_means(model: "SplitModel", data: "ClientData", batch_size: int,
-                        normalize: bool = False, fetch=None) -> tuple[torch.Tensor, torch.Tensor]:
+def class_feature_means(model: "SplitModel", data: "ClientData", batch_size: int, fetch,
+                        normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-class mean encoder output over a client's training data, in eval mode; (C, d) and counts (C,).
 
     ``normalize`` L2-normalises every feature first (FedNH). Classes the client lacks get a zero row.
-    ``fetch(indices) -> (x, y)`` gathers a batch where the model is (``ClientContext.batch``); without it,
-    from the client's host tensors.
+    ``fetch(indices) -> (x, y)`` gathers a batch where the model is (``ClientContext.batch``).
     """
     was_training = model.training
     model.eval()
@@ -118,7 +117,7 @@ def class_feature_means(model: "SplitModel", data: "ClientData", batch_size: int
     counts = torch.zeros(c, dtype=torch.int64, device=device)
     for start in range(0, len(data), batch_size):
         idx = data.indices[start: start + batch_size]
-        xb, yb = fetch(idx) if fetch is not None else (data.x[idx], data.y[idx])
+        xb, yb = fetch(idx)
         z = model.encoder(xb)
         if normalize:
             z = F.normalize(z, dim=1)
@@ -160,7 +159,7 @@ class FedProto(Method):
         return loss + self.params.lam * reg
 
     def client_upload(self, model, ctx):
-        means, counts = class_feature_means(model, ctx.data, self.run.config.train.eval_batch_size, fetch=ctx.batch)
+        means, counts = class_feature_means(model, ctx.data, self.run.config.train.eval_batch_size, ctx.batch)
         upload = {"protos": means, "class_counts": counts, "num_samples": len(ctx.data)}
         weights = self.run.layout.flatten(model)
         if self.params.share_weights:
