@@ -187,3 +187,47 @@ def test_deterministic_settings_cuda_cannot_honour_are_refused_before_the_run(ov
 
 def test_the_cublas_workspace_is_set_when_fedguide_is_imported():
     assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
+
+
+def test_auto_workers_on_a_gpu_is_one_process_per_gpu():
+    from fedguide.fl.runtimes.local import LocalParams, resolve_workers
+
+    assert resolve_workers(LocalParams(workers="auto"), 10, 1000, cores=16, device=SIMULATED)[0] == 1
+    assert resolve_workers(LocalParams(workers="auto"), 10, 1000, cores=16, device=torch.device("cpu"))[0] == 10
+    assert resolve_workers(LocalParams(workers=3), 10, 1000, cores=16, device=SIMULATED)[0] == 3  # asked for
+
+
+def test_processes_sharing_the_device_follow_one_decision_of_the_server(tmp_path, monkeypatch):
+    from fedguide.core.device import SIMULATED_FREE_BYTES
+    from fedguide.data.device_data import bytes_needed
+    from fedguide.fl.setup import client_processes_on_device, open_run
+
+    cfg = tiny_config(train={"device": "simulated"})
+    prepared = prepare(cfg)
+    need = bytes_needed(prepared.data.splits)
+    monkeypatch.setenv(SIMULATED_FREE_BYTES, str(int(need * 2.5)))  # one copy fits (half is headroom), two do not
+    with SimulatedDevice():
+        ctx, _ = open_run(prepared, tmp_path / "a")
+        assert ctx.device_data.on_device
+        assert client_processes_on_device(ctx, 1) is None  # the server alone: its own decision
+        assert client_processes_on_device(ctx, 2) == "0"  # two more copies do not fit: every worker keeps the host
+        monkeypatch.setenv(SIMULATED_FREE_BYTES, str(need * 10))
+        assert client_processes_on_device(ctx, 2) == "1"
+        forced = prepare(tiny_config(train={"device": "simulated"}, data={"name": "digits", "on_device": True}))
+        ctx, _ = open_run(forced, tmp_path / "b")
+        monkeypatch.setenv(SIMULATED_FREE_BYTES, str(need))
+        with pytest.raises(ConfigError, match="for 2 processes.*runtime.workers"):
+            client_processes_on_device(ctx, 2)
+
+
+def test_a_pool_whose_copies_do_not_fit_keeps_the_data_on_the_host_and_computes_the_same(tmp_path, monkeypatch):
+    from fedguide.core.device import SIMULATED_FREE_BYTES
+    from fedguide.data.device_data import bytes_needed
+
+    cfg = tiny_config(train={"rounds": 1, "device": "simulated"}, runtime={"workers": 2, "threads_per_worker": 1})
+    need = bytes_needed(prepare(cfg).data.splits)
+    monkeypatch.setenv(SIMULATED_FREE_BYTES, str(int(need * 2.5)))
+    _, sim_rows, _ = run_tiny(tmp_path, cfg, "pool")
+    _, cpu_rows, _ = run_tiny(tmp_path, tiny_config(train={"rounds": 1}), "cpu")
+    assert without_timing(sim_rows) == without_timing(cpu_rows)
+    assert "FEDGUIDE_DATA_ON_DEVICE" not in os.environ  # the decision lived as long as the run

@@ -133,8 +133,16 @@ def deterministic(enabled: bool) -> Iterator[None]:
 
 
 
+# The simulated device's free memory, when set (bytes): the decisions that depend on it (data.on_device, processes
+# sharing a device) are then testable without a GPU.
+SIMULATED_FREE_BYTES = "FEDGUIDE_SIMULATED_FREE_BYTES"
+
+
 def free_bytes(device: torch.device) -> int | None:
     """Free memory on a CUDA device (None elsewhere: host memory is not checked here)."""
+    if simulated.is_simulated(device):
+        value = os.environ.get(SIMULATED_FREE_BYTES)
+        return int(value) if value else None
     if device.type != "cuda":
         return None
     free, _total = torch.cuda.mem_get_info(device)

@@ -141,7 +141,7 @@ def caller_line() -> str:
         name = frame.filename
         inside = os.sep + "fedguide" + os.sep
         if inside in name:
-            return (os.sep + "methods" + os.sep) in name.rsplit(inside, 1)[1]
+            return name.rsplit(inside, 1)[1].startswith("methods" + os.sep)
         return "site-packages" not in name and "dist-packages" not in name
 
     first = frames[0]

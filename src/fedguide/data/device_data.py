@@ -68,6 +68,25 @@ def bytes_needed(splits: DatasetSplits) -> int:
     return size(splits.train_x) + size(splits.test_x) + 8 * (len(splits.train_y) + len(splits.test_y))
 
 
+# A client-side process (a pool worker, a Flower actor) keeps the data where the server process decided, for all
+# of them at once: "1" on the device, "0" on the host (fl/engine.py sets it while the run's processes start).
+SHARED_DECISION = "FEDGUIDE_DATA_ON_DEVICE"
+
+
+def decide_on_device(need: int, free: Optional[int], on_device: Union[str, bool], device: torch.device,
+                     copies: int = 1) -> bool:
+    """Whether ``copies`` processes each keep ``need`` bytes of data on ``device`` with ``free`` bytes there
+    (None: not measured, e.g. the host), per ``data.on_device``; true that cannot fit is a sentence."""
+    total = need * copies
+    held = f" for {copies} processes" if copies > 1 else ""
+    if on_device is True and free is not None and total > free:
+        raise ConfigError(f"data.on_device: true needs {total / 2**30:.2f} GiB on {device}{held} for the training "
+                          f"and test tensors, but {free / 2**30:.2f} GiB are free; write data.on_device: auto (kept "
+                          "on the host when it does not fit) or false, lower data.fraction"
+                          + (", or run fewer processes (runtime.workers)" if copies > 1 else ""))
+    return on_device is True or (on_device == "auto" and (free is None or total <= HEADROOM * free))
+
+
 class DeviceData:
     """The training and test inputs and labels on ``device`` (or on the host, gathered there), and the
     batches the training loop and the evaluation take from them."""
@@ -77,14 +96,8 @@ class DeviceData:
                  augment: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, encode: Optional[bool] = None):
         """``encode``: keep 8-bit images as uint8 (None: where the tensors are moved off the host)."""
         self.device, self.augment = device, augment
-        need = bytes_needed(splits)
         free = free_bytes(device) if free_bytes is not None and not computes_on_host(device) else None
-        if on_device is True and free is not None and need > free:
-            raise ConfigError(f"data.on_device: true needs {need / 2**30:.2f} GiB on {device} for the training and "
-                              f"test tensors, but {free / 2**30:.2f} GiB are free; write data.on_device: auto "
-                              "(kept on the host when it does not fit) or false, or lower data.fraction")
-        fits = free is None or need <= HEADROOM * free
-        self.on_device = computes_on_host(device) or on_device is True or (on_device == "auto" and fits)
+        self.on_device = computes_on_host(device) or decide_on_device(bytes_needed(splits), free, on_device, device)
         where = device if self.on_device else torch.device("cpu")
         encode = not computes_on_host(device) if encode is None else encode
         self.train = _store(splits.train_x, splits.pixel_stats, where, encode)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import platform
 import subprocess
 import time
@@ -30,7 +31,8 @@ from fedguide.fl.evaluation import personal_summary, personal_test_record, round
 from fedguide.fl.loggers import MetricLoggers, check_available, open_loggers
 from fedguide.fl.run_lock import RunLock
 from fedguide.fl.runtimes.base import Executor, RunHandle, Runtime, runtime_of
-from fedguide.fl.setup import Prepared, open_run
+from fedguide.data.device_data import SHARED_DECISION
+from fedguide.fl.setup import Prepared, client_processes_on_device, open_run
 from fedguide.methods import Method, RunContext
 from fedguide.registry import ConfigError
 
@@ -94,6 +96,13 @@ def git_commit() -> Optional[str]:
     if out.returncode != 0:
         return None
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def _restore_env(name: str, value: Optional[str]) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def round_line(m: dict[str, Any], rounds: int) -> str:
@@ -161,7 +170,7 @@ class Experiment:
         # The server sets up and evaluates with the clients' thread count: results then do not depend on
         # how many processes trained the clients.
         workers, threads = self.runtime.resources(min(self.cfg.clients.per_round, ctx.num_clients),
-                                                  ctx.layout.numel)
+                                                  ctx.layout.numel, ctx.device)
         torch.set_num_threads(threads)
         ckpt = load_checkpoint(self.run_dir / "checkpoints") if resume else None
         notes: dict[str, Any] = {}
@@ -180,7 +189,17 @@ class Experiment:
         rounds = self.cfg.train.rounds
         t_run = time.perf_counter()
         task = self.progress.add_task("rounds", total=rounds, completed=start - 1) if self.progress else None
-        clients = self.runtime.start(RunHandle(self.p, ctx, method, self.run_dir, self.log, workers, threads, ckpt))
+        # Client-side processes sharing this device keep the data where the server decides for all of them.
+        shared = client_processes_on_device(ctx, workers)
+        before = os.environ.get(SHARED_DECISION)
+        if shared is not None:
+            os.environ[SHARED_DECISION] = shared
+        try:
+            clients = self.runtime.start(RunHandle(self.p, ctx, method, self.run_dir, self.log, workers, threads,
+                                                   ckpt))
+        except BaseException:
+            _restore_env(SHARED_DECISION, before)
+            raise
         self.device_counts = simulated.Counters()  # the clients' work under train.device: simulated
         pinned = pinned_config(self.cfg)
         loggers = MetricLoggers()
@@ -217,6 +236,7 @@ class Experiment:
                 clients.close()
             finally:
                 loggers.close()
+                _restore_env(SHARED_DECISION, before)
 
     def _check_resumable(self, ckpt: Checkpoint) -> dict[str, Any]:
         """Refuse a resume whose config.yaml or data no longer describe the checkpointed run; the run's

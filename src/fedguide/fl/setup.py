@@ -6,23 +6,24 @@ the config alone, so no process ships another its data or its objects.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import yaml
 
 from fedguide.config import SECTION_KEYS, Config, build_config
-from fedguide.core.device import (check_precision, deterministic, device_rules, free_bytes, is_gpu_like,
-                                  resolve_device)
+from fedguide.core.device import (check_precision, computes_on_host, deterministic, device_rules, free_bytes,
+                                  is_gpu_like, resolve_device)
 from fedguide.core.evaluation import Evaluator
 from fedguide.core.seeding import derive_seed, numpy_rng
 from fedguide.core.state import ClientStateStore
 from fedguide.core.weights import WeightLayout
 from fedguide.data.augment import build_augment, check_augment
-from fedguide.data.device_data import DeviceData
+from fedguide.data.device_data import SHARED_DECISION, DeviceData, bytes_needed, decide_on_device
 from fedguide.data.federated import FederatedData, public_pool, scored_test_subset, stratified_fraction
 from fedguide.data.partition import PARTITIONS
 from fedguide.data.scenarios import make_scenario
@@ -180,8 +181,10 @@ def open_run(prepared: Prepared, run_dir: Path, setup: bool = False) -> tuple[Ru
         model.compile()  # in place: the state_dict keeps its names, so weight vectors and checkpoints do not change
     layout = WeightLayout.of(model)
     splits = prepared.data.splits
-    device_data = DeviceData(splits, device, cfg.data.on_device, free_bytes,
-                             build_augment(train.augment, splits.input_shape))
+    on_device = cfg.data.on_device
+    if setup and os.environ.get(SHARED_DECISION) in ("0", "1"):  # decided by the server for every process
+        on_device = os.environ[SHARED_DECISION] == "1"
+    device_data = DeviceData(splits, device, on_device, free_bytes, build_augment(train.augment, splits.input_shape))
     ctx = RunContext(
         config=cfg,
         data=prepared.data,
@@ -206,6 +209,18 @@ def open_run(prepared: Prepared, run_dir: Path, setup: bool = False) -> tuple[Ru
             deterministic(True).__enter__()
         method.setup()
     return ctx, method
+
+
+def client_processes_on_device(ctx: RunContext, processes: int) -> Optional[str]:
+    """The server's ``data.on_device`` decision for ``processes`` client-side processes sharing its device
+    ("1"/"0", for ``SHARED_DECISION``), made once, with all their copies counted, so that they agree and a run
+    that cannot fit says so before any of them starts; None where nothing is decided (the host, one process)."""
+    if processes <= 1 or computes_on_host(ctx.device):
+        return None
+    cfg = ctx.config
+    free = free_bytes(ctx.device)  # with the server's own copy already there
+    fits = decide_on_device(bytes_needed(ctx.data.splits), free, cfg.data.on_device, ctx.device, copies=processes)
+    return "1" if fits else "0"
 
 
 def load_run_config(run_dir: Path) -> Config:

@@ -66,10 +66,11 @@ class FedCDAParams(BaseModel):
 def candidate_gram(candidates: Sequence[torch.Tensor], mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Inner products (float64) between all candidates (rows of each [m_k, P] tensor, client after
     client), restricted to ``mask`` and centred on the first candidate (distances are unchanged,
-    cancellation in ‖a‖² + ‖b‖² − 2⟨a, b⟩ is smaller)."""
+    cancellation in ‖a‖² + ‖b‖² − 2⟨a, b⟩ is smaller). Computed where the candidates are; returned on the host,
+    where the search reads its few entries many times (one copy instead of a device read per trial)."""
     width = candidates[0].shape[1]
     n = sum(int(c.shape[0]) for c in candidates)
-    gram = torch.zeros(n, n, dtype=torch.float64)
+    gram = torch.zeros(n, n, dtype=torch.float64, device=candidates[0].device)
     for start in range(0, width, _CHUNK):
         cols = slice(start, min(width, start + _CHUNK))
         block = torch.cat([c[:, cols] for c in candidates]).to(torch.float64)
@@ -77,7 +78,7 @@ def candidate_gram(candidates: Sequence[torch.Tensor], mask: Optional[torch.Tens
         if mask is not None:
             block = block[:, mask[cols]]
         gram.addmm_(block, block.T)
-    return gram
+    return gram.cpu()
 
 
 def selection_objective(gram: torch.Tensor, picks: Sequence[int], weights: torch.Tensor) -> float:
@@ -150,9 +151,9 @@ class FedCDA(Method):
         old = self.run.server_store.get(cid, round_)
         models = upload["weights"].unsqueeze(0)
         rounds = torch.tensor([round_], dtype=torch.int64)
-        if old:
+        if old:  # the store keeps its tensors on the host; the server aggregates where it computes
             keep = self.params.memory - 1
-            models = torch.cat([models, old["models"][:keep]])
+            models = torch.cat([models, old["models"][:keep].to(models.device)])
             rounds = torch.cat([rounds, old["rounds"][:keep]])
         self.run.server_store.put(cid, round_, {"models": models, "rounds": rounds})
         return models, rounds

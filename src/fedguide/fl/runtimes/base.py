@@ -85,9 +85,11 @@ class Runtime:
         command that can; None when they can."""
         return None
 
-    def resources(self, clients_per_round: int, num_params: int) -> tuple[int, int]:
+    def resources(self, clients_per_round: int, num_params: int, device: Optional[torch.device] = None
+                  ) -> tuple[int, int]:
         """(processes that will train clients, torch threads per process). The server's set-up and
-        evaluation run with the same threads, so results do not depend on the number of processes."""
+        evaluation run with the same threads, so results do not depend on the number of processes.
+        ``device``: where the run computes (``auto`` worker counts on a GPU mean one process per GPU)."""
         raise NotImplementedError
 
     def start(self, run: RunHandle) -> Executor:

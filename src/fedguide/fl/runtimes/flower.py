@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from fedguide.fl.flower.deployed_clients import ClientStatesOnClients, DeployedClients
@@ -201,7 +202,8 @@ class Deployment(Runtime):
         return ("runtime.name=flower runs on a Flower deployment: start 'fedguide serve CONFIG' and one "
                 "'fedguide client --partition-id I CONFIG' per client (README \"Running on several machines\")")
 
-    def resources(self, clients_per_round: int, num_params: int) -> tuple[int, int]:
+    def resources(self, clients_per_round: int, num_params: int, device: Optional[torch.device] = None
+                  ) -> tuple[int, int]:
         return clients_per_round, self.params.threads_per_worker or DEFAULT_THREADS
 
     def start(self, run: RunHandle) -> Executor:

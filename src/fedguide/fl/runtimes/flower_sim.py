@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+from fedguide.core.device import is_gpu_like
 
 from fedguide.fl.flower.sim import FlowerClients, actors_and_threads
 from fedguide.fl.runtimes.base import RUNTIMES, Executor, RunHandle, Runtime
@@ -28,7 +31,10 @@ class FlowerSim(Runtime):
     Params = FlowerSimParams
     extras = ("flower",)
 
-    def resources(self, clients_per_round: int, num_params: int) -> tuple[int, int]:
+    def resources(self, clients_per_round: int, num_params: int, device: Optional[torch.device] = None
+                  ) -> tuple[int, int]:
+        if self.params.workers == "auto" and device is not None and is_gpu_like(device):
+            return 1, self.params.threads_per_worker or 1  # one actor per GPU unless asked (runtimes/local.py)
         return actors_and_threads(self.params, clients_per_round)
 
     def start(self, run: RunHandle) -> Executor:

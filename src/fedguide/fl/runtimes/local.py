@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedguide.core.device import to_cpu
+from fedguide.core.device import is_gpu_like, to_cpu
 from fedguide.core.records import Record
 from fedguide.fl.client_step import ClientResult, run_client
 from fedguide.fl.runtimes.base import DEFAULT_THREADS, RUNTIMES, Executor, RunHandle, Runtime, WorkerCrashed
@@ -195,11 +195,16 @@ class InProcess(Executor):
                 for cid, payload in jobs]
 
 
-def resolve_workers(runtime: Any, per_round: int, num_params: int, cores: Optional[int] = None) -> tuple[int, int]:
-    """(worker processes, torch threads per process) for a run."""
+def resolve_workers(runtime: Any, per_round: int, num_params: int, cores: Optional[int] = None,
+                    device: Optional[torch.device] = None) -> tuple[int, int]:
+    """(worker processes, torch threads per process) for a run. ``auto`` on a GPU (or the simulated device) is
+    one process: the run computes on one GPU, and processes sharing it would each hold a copy of the data and
+    the model and queue their kernels behind each other; ask for more with a number."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if runtime.workers == "auto":
+    if runtime.workers == "auto" and device is not None and is_gpu_like(device):
+        workers, threads = 1, None
+    elif runtime.workers == "auto":
         workers, threads = auto_workers(cores, per_round, num_params)
     else:
         workers, threads = min(int(runtime.workers), per_round), None
@@ -227,8 +232,9 @@ class LocalParams(BaseModel):
 class Local(Runtime):
     Params = LocalParams
 
-    def resources(self, clients_per_round: int, num_params: int) -> tuple[int, int]:
-        return resolve_workers(self.params, clients_per_round, num_params)
+    def resources(self, clients_per_round: int, num_params: int, device: Optional[torch.device] = None
+                  ) -> tuple[int, int]:
+        return resolve_workers(self.params, clients_per_round, num_params, device=device)
 
     def start(self, run: RunHandle) -> Executor:
         if run.workers > 1:
