@@ -183,3 +183,14 @@ def test_personal_metrics_get_their_own_table(tmp_path):
     last_two = (rows[0]["personal_accuracy"] + rows[1]["personal_accuracy"]) / 2
     assert f"{100 * last_two:.2f}" in line
     assert json.loads((run_dir / "summary.json").read_text())["final_personal_accuracy"] == rows[-1]["personal_accuracy"]
+
+
+def test_report_shows_the_simulated_device_check(tmp_path):
+    check = {"device": "simulated", "steps": 98, "host_syncs_per_step": 0.5, "h2d_bytes_per_step": 512.0,
+             "host_syncs": 60, "h2d_bytes": 90000, "d2h_bytes": 0, "mixes": 0}
+    checked = make_run(tmp_path, "sim", "fedavg", 0, summary_extra={"device_check": check})
+    plain = make_run(tmp_path, "cpu", "fedavg", 1)
+    md = report([checked, plain], tmp_path / "out").markdown
+    assert "## Device check (train.device: simulated)" in md
+    assert "| sim | fedavg | 98 | 0.50 | 512 | 60 | 90000 | 0 |" in md and "| cpu | fedavg | 98" not in md
+    assert "Device check" not in report([plain], tmp_path / "out2").markdown

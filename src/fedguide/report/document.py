@@ -83,6 +83,22 @@ def _rel(path: Path, start: Path) -> str:
         return str(path.resolve())
 
 
+def device_check_lines(runs: list[RunRecord]) -> list[str]:
+    """The simulated device's check of the runs that ran on it (train.device: simulated), one row each."""
+    checked = [(r, r.summary["device_check"]) for r in runs
+               if r.summary is not None and isinstance(r.summary.get("device_check"), dict)]
+    if not checked:
+        return []
+    lines = ["## Device check (train.device: simulated)", "",
+             "| run | method | steps | host syncs / step | H2D bytes / step | host syncs | H2D bytes | mixes |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r, c in checked:
+        lines.append("| " + " | ".join(_cell(v) for v in (
+            r.name, r.method, c.get("steps"), f"{c.get('host_syncs_per_step', 0):.2f}",
+            f"{c.get('h2d_bytes_per_step', 0):.0f}", c.get("host_syncs"), c.get("h2d_bytes"), c.get("mixes"))) + " |")
+    return lines + [""]
+
+
 def render_markdown(runs: list[RunRecord], out_dir: Path, plots: Iterable[Path] = (),
                     options: ReportOptions | None = None, pivot: str = "", paired: str = "") -> str:
     plots = list(plots)  # read twice below
@@ -130,6 +146,7 @@ def render_markdown(runs: list[RunRecord], out_dir: Path, plots: Iterable[Path] 
     if analysis:
         lines += ["## Analysis figures (fedguide analyze)", ""]
         lines += [f"![{r.name}: {p.stem}]({_rel(p, out_dir)})" for r, p in analysis] + [""]
+    lines += device_check_lines(runs)
     lines += ["## Runs", "", "| run | method | seed | status | git commit | path |", "|---|---|---:|---|---|---|"]
     for r in runs:
         status = r.status
