@@ -102,6 +102,9 @@ class DeviceData:
         encode = not computes_on_host(device) if encode is None else encode
         self.train = _store(splits.train_x, splits.pixel_stats, where, encode)
         self.test = _store(splits.test_x, splits.pixel_stats, where, encode)
+        # Data too large for a GPU stays on the host as uint8, and each batch is gathered into page-locked memory,
+        # from which the copy to the device runs asynchronously (the pinned block is reused once it is done).
+        self.staged = not self.on_device and device.type == "cuda"
         self.train_y = splits.train_y.to(where)
         self.test_y = splits.test_y.to(where)
         if splits.pixel_stats is not None:  # the source's statistics as float32 on the computing device
@@ -126,9 +129,15 @@ class DeviceData:
     def train_batch(self, idx: torch.Tensor, augment: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) of the training samples ``idx`` (indices where the tensors are kept), on the
         run's device, augmented with ``train.augment`` unless ``augment=False``."""
-        raw = self.train.values[idx].to(self.device, non_blocking=True)
+        raw = self._gather(self.train.values, idx).to(self.device, non_blocking=True)
         return (self._input(raw, self.train.uint8, self.augment if augment else None),
                 self.train_y[idx].to(self.device, non_blocking=True))
+
+    def _gather(self, values: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if not self.staged:
+            return values[idx]
+        out = torch.empty((len(idx), *values.shape[1:]), dtype=values.dtype, pin_memory=True)
+        return torch.index_select(values, 0, idx, out=out)
 
     def test_batch(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         raw = self.test.values[start:stop].to(self.device, non_blocking=True)

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from fedguide.core.atomic import write_json
+from fedguide.core.device import computes_on_host
 from fedguide.guidance.condition import inject
 from fedguide.guidance.features import DiffusionFeatures, sample_noise
 from fedguide.guidance.pipeline_facts import ImageSize, data_image_size, pipeline_facts
@@ -115,15 +116,24 @@ class ClientPositions:
 
 
 class ClientTargets:
-    """One client's rows of a per-sample feature cache (memory-mapped, all training samples) on the run's
-    device for a round: gathered and moved once in ``begin_local``, then looked up per batch on the device."""
+    """One client's rows of a per-sample feature cache (memory-mapped, all training samples) for a round. On a
+    GPU (or the simulated device) they are gathered and moved once, in ``begin_local``, and looked up per batch
+    on the device: no host gather, copy or sync per step. On the CPU each batch's rows are gathered from the
+    cache as they are needed: there is nothing to move, and one gather of a whole client per round (a fresh
+    block of memory every round) measured slower than the batches' small ones (benchmarks/target_lookup.py).
+    Both give the same float32 rows."""
 
     def __init__(self, array: np.ndarray, rows: RowLookup, ctx, num_samples: int, device: torch.device):
-        indices = ctx.data.indices
-        self.values = lookup(array, rows(indices.numpy())).to(device)  # the same float32 rows, once
-        self.positions = ClientPositions(indices, num_samples, device)
+        self.array, self.rows = array, rows
+        self.on_host = computes_on_host(device)
+        if not self.on_host:
+            indices = ctx.data.indices
+            self.values = lookup(array, rows(indices.numpy())).to(device)
+            self.positions = ClientPositions(indices, num_samples, device)
 
     def __call__(self, ctx) -> torch.Tensor:
+        if self.on_host:
+            return lookup(self.array, self.rows(ctx.batch_indices))
         return self.values[self.positions(ctx)]
 
 
