@@ -231,3 +231,13 @@ def test_a_pool_whose_copies_do_not_fit_keeps_the_data_on_the_host_and_computes_
     _, cpu_rows, _ = run_tiny(tmp_path, tiny_config(train={"rounds": 1}), "cpu")
     assert without_timing(sim_rows) == without_timing(cpu_rows)
     assert "FEDGUIDE_DATA_ON_DEVICE" not in os.environ  # the decision lived as long as the run
+
+
+def test_fedcda_selects_across_rounds_on_the_device_as_on_the_cpu(tmp_path):
+    # Round 2 on: its remembered models come back from the (host) server store, and after the warm-up the Gram
+    # matrix of the candidates is computed where they are.
+    method = {"name": "fedcda", "warmup_rounds": 1, "memory": 2}
+    _, cpu, _ = run_tiny(tmp_path, tiny_config(method=method, train={"rounds": 3}), "cpu")
+    _, sim, _ = run_tiny(tmp_path, tiny_config(method=method, train={"rounds": 3, "device": "simulated"}), "sim")
+    assert without_timing(sim) == without_timing(cpu)
+    assert all("fedcda_mean_age" in r for r in cpu)
