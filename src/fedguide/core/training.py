@@ -26,6 +26,33 @@ def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
+def _backward_and_step(loss: torch.Tensor, model: torch.nn.Module, method: Any, ctx: Any,
+                       optimizer: torch.optim.Optimizer, owned: list[torch.optim.Optimizer],
+                       scaler: "torch.amp.GradScaler | None") -> None:
+    """Backward, the method's gradient edits, the model's step and the method's own optimisers' steps (each where
+    this step gave its parameters a gradient: a look at .grad on the host, no device value read)."""
+    optimizer.zero_grad(set_to_none=True)
+    if scaler is None:
+        loss.backward()
+        method.after_backward(model, ctx)
+        optimizer.step()
+        for o in owned:
+            if _has_grads(o):
+                o.step()
+            o.zero_grad(set_to_none=True)
+        return
+    scaler.scale(loss).backward()
+    stepping = (optimizer, *[o for o in owned if _has_grads(o)])
+    for o in stepping:
+        scaler.unscale_(o)  # a method's gradient edits see the true gradients
+    method.after_backward(model, ctx)
+    for o in stepping:
+        scaler.step(o)  # skipped, each of them, when this step's gradients overflowed
+    for o in owned:
+        o.zero_grad(set_to_none=True)
+    scaler.update()
+
+
 def has_batchnorm(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
@@ -80,28 +107,7 @@ def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generat
                     x = x.contiguous(memory_format=torch.channels_last)
                 with autocast(device, precision):
                     loss = method.local_loss(model, x, y, ctx)
-                optimizer.zero_grad(set_to_none=True)
-                # The method's own optimisers step where this step gave their parameters a gradient (a look at
-                # .grad on the host, no device value read).
-                if scaler is None:
-                    loss.backward()
-                    method.after_backward(model, ctx)
-                    optimizer.step()
-                    for o in owned:
-                        if _has_grads(o):
-                            o.step()
-                        o.zero_grad(set_to_none=True)
-                else:
-                    scaler.scale(loss).backward()
-                    stepping = (optimizer, *[o for o in owned if _has_grads(o)])
-                    for o in stepping:
-                        scaler.unscale_(o)  # a method's gradient edits see the true gradients
-                    method.after_backward(model, ctx)
-                    for o in stepping:
-                        scaler.step(o)  # skipped, each of them, when this step's gradients overflowed
-                    for o in owned:
-                        o.zero_grad(set_to_none=True)
-                    scaler.update()
+                _backward_and_step(loss, model, method, ctx, optimizer, owned, scaler)
                 loss_sum += loss.detach().float()
             steps += 1
     if steps and not torch.isfinite(loss_sum):
