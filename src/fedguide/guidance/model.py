@@ -120,7 +120,9 @@ class GuidanceModel:
 
     def alpha_bar(self, t: torch.Tensor | int) -> torch.Tensor:
         t = torch.as_tensor(t, device=self.device, dtype=torch.long)
-        return self._alphas[t]
+        # A gather, not ``self._alphas[t]``: indexing with a 0-dim tensor reads its value on the host, a wait
+        # for the device at every sampler step.
+        return self._alphas.index_select(0, t.reshape(-1)).reshape(t.shape)
 
     # --- text --------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -346,13 +346,14 @@ def _edit_noise(model, latents: torch.Tensor, t: torch.Tensor, batch: _Batch, lo
     loss_sums = []
     for _ in range(config.edit_steps):
         _, grad, losses = _loss_gradient(model, latents, t, batch.cond, loss_fn, batch.idx)
-        loss_sums.append(float(losses.sum()))
+        loss_sums.append(losses.sum())  # kept where it is computed: read once after the steps, not at each
         latents = latents - config.edit_lr * grad
-    return latents, loss_sums
+    return latents, torch.stack(loss_sums).tolist() if loss_sums else []
 
 
 def _denoise_step(model, scheduler, latents: torch.Tensor, t: torch.Tensor, batch: _Batch,
-                  loss_fn: Optional[LossFn], config: SamplerConfig) -> torch.Tensor:
+                  loss_fn: Optional[LossFn], config: SamplerConfig, step_t: int) -> torch.Tensor:
+    """One denoising step at ``t`` (on the model's device; ``step_t`` the same timestep as a number)."""
     x = scheduler.scale_model_input(latents, t)
     others = ([batch.uncond] if batch.uncond is not None else []) + [p for _, p in batch.extras]
     if loss_fn is None:
@@ -369,7 +370,9 @@ def _denoise_step(model, scheduler, latents: torch.Tensor, t: torch.Tensor, batc
         # FedCADO Eq. 5 with the sign that descends the loss (see the module docstring)
         eps = eps + config.loss_scale * (1 - model.alpha_bar(t)).sqrt() * grad
     kwargs = {"eta": config.eta} if config.scheduler == "ddim" else {}
-    return scheduler.step(eps, t, latents, generator=batch.generators, **kwargs).prev_sample
+    # The scheduler takes the timestep as a number (its documented type): with a device tensor, its table
+    # lookups and comparisons would read the timestep on the host at every step.
+    return scheduler.step(eps, step_t, latents, generator=batch.generators, **kwargs).prev_sample
 
 
 # --- the entry point -----------------------------------------------------------------------------------
@@ -387,6 +390,7 @@ def sample(model, prompts: Sequence[str], config: SamplerConfig, conditions: Seq
     shape = (model.latent_channels, model.latent_size, model.latent_size)
     images, finals = [], []
     edit_sums = [0.0] * (config.edit_steps if loss_fn is not None else 0)
+    step_ts = [int(v) for v in scheduler.timesteps.tolist()]  # read once, for every batch's scheduler steps
     with torch.no_grad(), progress(n, "sampling", enabled=config.progress) as advance:
         for lo in range(0, n, config.batch_size):
             idx = list(range(lo, min(lo + config.batch_size, n)))
@@ -399,8 +403,8 @@ def sample(model, prompts: Sequence[str], config: SamplerConfig, conditions: Seq
             if edit_sums:
                 s, sums = _edit_noise(model, s, edit_t, batch, loss_fn, config)
                 edit_sums = [a + b for a, b in zip(edit_sums, sums)]
-            for t in scheduler.timesteps:
-                s = _denoise_step(model, scheduler, s, t, batch, loss_fn, config)
+            for t, step_t in zip(scheduler.timesteps, step_ts):
+                s = _denoise_step(model, scheduler, s, t, batch, loss_fn, config, step_t)
             finals.append(s.float().cpu())
             if decode:
                 images.append(model.decode(s).float().cpu())

@@ -70,10 +70,10 @@ def extra_count(batch: int, generated: int, real: int) -> int:
 def mix(x: torch.Tensor, y: torch.Tensor, pool_x: torch.Tensor, pool_y: torch.Tensor,
         count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch joined by ``count`` rows of the generated pool drawn without replacement (torch's global
-    stream, on the host: the same draw on any device)."""
+    stream, on the host: the same draw on any device; the rows go to the pool's device without waiting)."""
     if count == 0:
         return x, y
-    rows = torch.randperm(len(pool_y))[:count].to(pool_y.device)
+    rows = torch.randperm(len(pool_y))[:count].to(pool_y.device, non_blocking=True)
     return torch.cat([x, pool_x[rows].to(x.device, x.dtype)]), torch.cat([y, pool_y[rows].to(y.device)])
 
 

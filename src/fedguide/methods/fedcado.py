@@ -184,13 +184,22 @@ class BatchNormStatistics:
 def guidance_loss(classifier: torch.nn.Module, splits, labels: torch.Tensor, ce: bool,
                   bn: Optional[BatchNormStatistics], bn_weight: float):
     """The sampler's ``loss_fn`` for one client: per image CE_i + λ·L_BN(batch) (module docstring)."""
+    batch: dict[str, torch.Tensor] = {}
+
+    def batch_labels(idx: torch.Tensor) -> torch.Tensor:
+        # The sampler passes one batch's positions (on the host) to every step of that batch: its labels are
+        # looked up once per batch, not copied to the device at every step.
+        if batch.get("idx") is not idx:
+            batch["idx"], batch["labels"] = idx, labels[idx.to(labels.device)]
+        return batch["labels"]
+
     def loss_fn(images: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         if bn is not None:
             bn.reset()
         logits = classifier(to_model_input(splits, images))
         rows = torch.zeros(len(idx), device=logits.device)
         if ce:
-            rows = rows + F.cross_entropy(logits.float(), labels[idx.to(labels.device)], reduction="none")
+            rows = rows + F.cross_entropy(logits.float(), batch_labels(idx), reduction="none")
         if bn is not None:
             rows = rows + bn_weight * bn.loss().to(rows.device)
         return rows
@@ -318,6 +327,7 @@ class FedCADO(OneShotMethod):
         if teacher is None:
             return samplers.sample(model, prompts, config)
         ce, bn_on, _ = self.guidance_terms()
+        home = next(teacher.parameters()).device  # the run's device: the teachers' targets are computed there
         teacher.to(model.device)
         try:
             with BatchNormStatistics(teacher) as bn:
@@ -329,7 +339,7 @@ class FedCADO(OneShotMethod):
                                         bn if bn_on else None, self.params.bn_weight)
                 return samplers.sample(model, prompts, config, loss_fn=loss_fn)
         finally:
-            teacher.cpu()
+            teacher.to(home)  # no move where the guidance model computes on the run's device
 
     def generate(self, teachers: dict, uploads: list[dict[str, Any]]) -> SyntheticSet:
         from fedguide.guidance.shared import class_prompts, guidance_model
