@@ -247,6 +247,11 @@ class SemanticFL(Method):
     # ---- client ------------------------------------------------------------------------------------
     def begin_local(self, model, ctx):
         p = self.params
+        # The text features (and a fixed projection, kept in float32) go to the device once per round, not per step.
+        if p.con and p.lambda_con > 0:
+            ctx.scratch["text"] = self.text.to(ctx.device)
+            if not self.learned:
+                ctx.scratch["fixed_proj"] = self.proj.to(ctx.device)
         if self.learned:
 
             holder = _Holder(ctx.payload["text_proj"])
@@ -262,7 +267,7 @@ class SemanticFL(Method):
             ctx.scratch["visual"] = ClientTargets(features, rows_of, ctx, len(self.run.data.splits.train_y), ctx.device)
 
     def _projection(self, ctx) -> torch.Tensor:
-        return ctx.scratch["proj"][0].weight if self.learned else self.proj
+        return ctx.scratch["proj"][0].weight if self.learned else ctx.scratch["fixed_proj"]
 
     def local_loss(self, model, x, y, ctx):
         p = self.params
@@ -273,7 +278,7 @@ class SemanticFL(Method):
             visual = ctx.scratch["visual"](ctx).to(z.dtype)
             loss = loss + p.lambda_kd * kd_loss(visual, f, p.kd_form, p.kd_tau)
         if p.con and p.lambda_con > 0:
-            text = self.text.to(z.device, z.dtype) @ self._projection(ctx).to(z.device, z.dtype).T
+            text = ctx.scratch["text"].to(z.dtype) @ self._projection(ctx).to(z.dtype).T
             loss = loss + p.lambda_con * info_nce(f, text, y, p.tau)
         return loss
 
