@@ -21,12 +21,15 @@ round of a GPU-sized config. Measured in one process:
 
 Guidance models given as hub ids cannot load offline: ``--guidance embedded`` swaps them for fedguide's
 embedded models, ``--guidance tiny`` for a tiny random pipeline of the same layout (no package beyond
-diffusers and transformers needed); either way the output says so, and the guided costs are then those of
-the substitute, not of Stable Diffusion. The feature cache is a temporary folder, so set-up is measured,
+diffusers and transformers needed), ``--guidance sd-widths`` for a random pipeline with Stable Diffusion
+1.5's channel widths (SD_WIDTHS: UNet 320-640-1280-1280 with one layer per block instead of two, VAE
+128-256-512-512, a two-layer 768-wide text encoder), so that features taken from its UNet have SD's sizes
+(FedDifRC's decoder layers 2-4: 1280, 640 and 320 channels, enough for fused_dim 512); either way the output
+says so, and the guided costs are then those of the substitute, not of Stable Diffusion. The feature cache is a temporary folder, so set-up is measured,
 not read from an earlier run's cache.
 
     .venv/bin/python benchmarks/paper_scale.py CONFIG [--rounds 2] [--device D] [--fraction F]
-        [--guidance keep|embedded|tiny] [--feature-cache DIR] [overrides ...]
+        [--guidance keep|embedded|tiny|sd-widths] [--feature-cache DIR] [overrides ...]
 """
 from __future__ import annotations
 
@@ -57,6 +60,13 @@ from fedguide.models import build_model
 from fedguide.registry import ConfigError
 
 HUB_FREE = ("embedded", None)
+# guidance_real_size.py's SD-1.5 sizes with one layer per block and two text layers: SD's feature widths at
+# about two thirds of its UNet's parameters, built in seconds (random weights cost what trained ones do).
+SD_WIDTHS = dict(image=512, unet=dict(block_out_channels=(320, 640, 1280, 1280), layers_per_block=1,
+                                      attention_head_dim=8, cross_attention_dim=768),
+                 text=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12,
+                           hidden_act="quick_gelu"),
+                 vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=1))
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -97,6 +107,13 @@ def standin_raw(path: Path, rounds: int, fraction: float, device: Optional[str],
         g.update(model=str(folder), image_encoder=None)
         say(f"guidance: {model} swapped for a tiny random pipeline of the same layout (--guidance tiny): the "
             "guided costs below are not the paper's")
+    elif guidance == "sd-widths" and model not in HUB_FREE:
+        from guidance_real_size import build_pipeline
+
+        folder = build_pipeline(work / "sd-widths-guidance", SD_WIDTHS, unclip=False)
+        g.update(model=str(folder), image_encoder=None)
+        say(f"guidance: {model} swapped for a random pipeline of Stable Diffusion 1.5's channel widths with one "
+            "layer per block (--guidance sd-widths): feature sizes are SD's, the UNet's cost about two thirds of it")
     return apply_overrides(raw, overrides), paper_rounds
 
 
@@ -246,7 +263,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--device", default=None, help="train.device for the run and the floor (default: the config's)")
     ap.add_argument("--fraction", type=float, default=1.0, help="share of both splits drawn (0 < F <= 1)")
-    ap.add_argument("--guidance", choices=("keep", "embedded", "tiny"), default="keep")
+    ap.add_argument("--guidance", choices=("keep", "embedded", "tiny", "sd-widths"), default="keep")
     ap.add_argument("--feature-cache", type=Path, default=None,
                     help="reuse and fill this guidance feature cache (default: a fresh one, so set-up is measured)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides applied last, e.g. method.name=fedavg")
@@ -301,7 +318,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as err:
         print(f"paper_scale: {err}", file=sys.stderr)
         if args.guidance == "keep" and offline_hub_model(args.config):
-            print("paper_scale: a hub model that cannot load offline: pass --guidance embedded or --guidance tiny",
+            print("paper_scale: a hub model that cannot load offline: pass --guidance embedded, tiny or sd-widths",
                   file=sys.stderr)
         return 2
     return 0
