@@ -51,8 +51,10 @@ def cases() -> list[tuple[str, Path, list[str]]]:
     return out
 
 
-def run_once(config: Path, overrides: list[str], device: str, workers: int) -> tuple[list[dict], dict, float]:
-    cfg = load_config(config, overrides + [f"train.device={device}", "train.rounds=1", f"runtime.workers={workers}"])
+def run_once(config: Path, overrides: list[str], device: str, workers: int, extra: list[str]
+             ) -> tuple[list[dict], dict, float]:
+    cfg = load_config(config, overrides + [f"train.device={device}", "train.rounds=1", f"runtime.workers={workers}",
+                                           *extra])
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         summary = Experiment(prepare(cfg), Path(tmp) / "run", log=lambda s: None).run()
@@ -65,20 +67,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--runtime-workers", type=int, default=1)
+    ap.add_argument("--extra", nargs="*", default=[], help="overrides for every run (e.g. data.fraction=0.01 to "
+                                                          "shorten the guided methods' feature extraction)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"| method | runs under CUDA's rules | metrics = CPU run | steps | host syncs / step | H2D bytes / step "
-          f"| syncs (round) | H2D bytes (round) | s simulated / s CPU |  (workers={args.runtime_workers})")
+    print(f"runtime.workers={args.runtime_workers}; overrides: {' '.join(args.extra) or 'none'}; steps, syncs and bytes "
+          "are the clients' work in one round\n")
+    print("| method | runs under CUDA's rules | metrics = CPU run | steps | host syncs / step | H2D bytes / step "
+          "| syncs (round) | H2D bytes (round) | s simulated / s CPU |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, config, overrides in cases():
         if args.only and name not in args.only:
             continue
         try:
-            sim_rows, summary, t_sim = run_once(config, overrides, "simulated", args.runtime_workers)
+            sim_rows, summary, t_sim = run_once(config, overrides, "simulated", args.runtime_workers, args.extra)
         except Exception as err:  # the table reports what fails; the other methods go on
             print(f"| {name} | **no**: {type(err).__name__}: {str(err).splitlines()[0][:300]} | | | | | | | |", flush=True)
             continue
-        cpu_rows, _, t_cpu = run_once(config, overrides, "cpu", args.runtime_workers)
+        cpu_rows, _, t_cpu = run_once(config, overrides, "cpu", args.runtime_workers, args.extra)
         dc = summary["device_check"]
         same = "yes" if sim_rows == cpu_rows else "**no**"
         print(f"| {name} | yes | {same} | {dc['steps']} | {dc['host_syncs_per_step']:.2f} | "
