@@ -11,7 +11,6 @@ guidance models, the one-shot ones with their smallest settings).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import tempfile
 import time
@@ -19,23 +18,14 @@ from pathlib import Path
 
 import torch
 
+import behaviour_hashes as HASHES  # a sibling script: benchmarks/ is on the path when this one runs
 from fedguide.config import load_config
 from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import prepare
 from fedguide.methods import METHODS
 from fedguide.methods.compose import REGULARIZERS
 
-REPO = Path(__file__).resolve().parents[1]
 
-
-def _hashes():
-    spec = importlib.util.spec_from_file_location("behaviour_hashes", REPO / "benchmarks/behaviour_hashes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-HASHES = _hashes()
 
 
 def cases() -> list[tuple[str, Path, list[str]]]:
