@@ -63,7 +63,7 @@ WEIGHT_TOL = dict(atol=1e-4, rtol=1e-3)
 DEVICE_DRAWN_LOSS_RTOL = 0.1
 # Methods that draw random numbers on the run's device: CUDA's stream is not the CPU's, so their weights
 # cannot agree; their first-round loss is compared within DEVICE_DRAWN_LOSS_RTOL.
-DEVICE_DRAWN = {"fedema": "its BYOL views are drawn on the run's device (methods/_ssl_views.py)"}
+DEVICE_DRAWN = {"fedema": "its BYOL views are drawn on the run's device (methods/personalised/_ssl_views.py)"}
 # Methods whose result amplifies rounding by design, measured by two CPU runs that differ only in their
 # thread count (every other method's final weights then differ by under 2e-6). FedDF's server distils with
 # Adam (lr 1e-3, METHOD_SIZES' 20 steps): Adam's normalised steps turn rounding in near-zero gradients into

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from fedguide.core.simulated import SIMULATED, SimulatedDevice
-from fedguide.methods._diffusion_features import ClientTargets, RowLookup, lookup
+from fedguide.methods.diffusion_guided._diffusion_features import ClientTargets, RowLookup, lookup
 
 
 def main() -> None:

@@ -53,11 +53,23 @@ class Entry(Generic[T]):
     summary: str
 
 
+def plugin_modules(package: str) -> list[str]:
+    """``package`` and every public module below it, at any depth (rooms of a package included), sorted.
+    A name starting with ``_`` at any level is private: helpers, never entries."""
+    module = importlib.import_module(package)
+    found = [package]
+    for info in pkgutil.walk_packages(getattr(module, "__path__", []), prefix=f"{package}."):
+        if not any(part.startswith("_") for part in info.name[len(package) + 1:].split(".")):
+            found.append(info.name)
+    return sorted(found)
+
+
 class Registry(Generic[T]):
-    """Entries by name. ``plugins`` names modules (or packages: every public module in them) whose
-    import registers more entries; they are imported at the first lookup, so a registry never misses
-    an entry because its module had not been imported yet, and a module holding entries never has to
-    be imported by the one holding the registry (no import cycle)."""
+    """Entries by name, with the one way fedguide discovers plug-ins: ``plugins`` names the packages (or
+    modules) whose public modules register entries, at any depth. They are imported at the first lookup,
+    so a registry never misses an entry because its module had not been imported yet, a new module in a
+    declared package is registered without touching any other file, and a module holding entries never
+    has to be imported by the one holding the registry (no import cycle)."""
 
     def __init__(self, kind: str, plugins: Sequence[str] = ()):
         self.kind = kind
@@ -69,11 +81,9 @@ class Registry(Generic[T]):
         if self._loaded:
             return
         self._loaded = True  # set first: the plugins' own imports may look entries up
-        for name in self._plugins:
-            module = importlib.import_module(name)
-            for info in pkgutil.iter_modules(getattr(module, "__path__", [])):
-                if not info.name.startswith("_"):
-                    importlib.import_module(f"{name}.{info.name}")
+        for package in self._plugins:
+            for name in plugin_modules(package):
+                importlib.import_module(name)
 
     def register(self, name: str, params: type[BaseModel] | None = None, summary: str = "") -> Callable[[T], T]:
         def deco(obj: T) -> T:

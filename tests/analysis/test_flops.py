@@ -9,7 +9,7 @@ from fedguide.analysis import analyze
 from fedguide.analysis.flops import step_flops
 from fedguide.data.federated import ClientData
 from fedguide.methods.base import ClientContext
-from fedguide.methods.fedavg import FedAvg
+from fedguide.methods.classic.fedavg import FedAvg
 from fedguide.models.split import SplitModel
 from fedguide.registry import ConfigError, NoParams
 

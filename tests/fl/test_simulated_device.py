@@ -16,7 +16,7 @@ from fedguide.core.simulated import SIMULATED, DeviceMixError, SimulatedDevice
 from fedguide.fl.setup import check_deterministic, prepare
 from fedguide.methods import METHODS
 from fedguide.registry import ConfigError
-from fedguide.methods.fedavg import FedAvg
+from fedguide.methods.classic.fedavg import FedAvg
 from tests.tiny import run_tiny, tiny_config, without_timing
 
 

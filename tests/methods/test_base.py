@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from fedguide.methods import METHODS, Method, record_bytes
-from fedguide.methods.centralized import Centralized
-from fedguide.methods.fedavg import FedAvg
-from fedguide.methods.fedprox import FedProx, FedProxParams
-from fedguide.methods.local import Local
+from fedguide.methods.classic.centralized import Centralized
+from fedguide.methods.classic.fedavg import FedAvg
+from fedguide.methods.classic.fedprox import FedProx, FedProxParams
+from fedguide.methods.classic.local import Local
 from fedguide.registry import NoParams
 
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedguide.methods import ClientContext
-from fedguide.methods.fedala import ala_update, learn_weights
+from fedguide.methods.personalised.fedala import ala_update, learn_weights
 from pfl_cases import client_round, opened
 
 

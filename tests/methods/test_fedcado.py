@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedguide.methods.fedcado import BatchNormStatistics, FedCADOParams, bn_statistics_loss, guidance_loss
-from fedguide.methods._distill import aggregation_loss, distillation_loss, teacher_targets, train_on_labeled
-from fedguide.methods._one_shot import client_class_accuracy
+from fedguide.methods.one_shot.fedcado import BatchNormStatistics, FedCADOParams, bn_statistics_loss, guidance_loss
+from fedguide.methods.one_shot._distill import aggregation_loss, distillation_loss, teacher_targets, train_on_labeled
+from fedguide.methods.one_shot._one_shot import client_class_accuracy
 from fedguide.methods._synthetic import (GenerationJob, SyntheticStore, check_image_data, from_uint8,
                                          generate_set, round_robin_labels, to_model_input, to_uint8)
 from fedguide.config import build_config, load_config

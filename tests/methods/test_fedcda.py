@@ -8,7 +8,7 @@ import torch
 
 from fedguide.fl.checkpoint import load_checkpoint
 from fedguide.core.state import ClientStateStore
-from fedguide.methods.fedcda import (FedCDA, FedCDAParams, candidate_gram, select_models,
+from fedguide.methods.classic.fedcda import (FedCDA, FedCDAParams, candidate_gram, select_models,
                                      selection_objective)
 from tiny import run_tiny, tiny_config
 
@@ -130,7 +130,7 @@ def test_warmup_is_fedavg(tmp_path):
 
 
 def test_participants_are_searched_in_b_blocks_unless_a_block_size_is_given(tmp_path, monkeypatch):
-    import fedguide.methods.fedcda as fedcda
+    import fedguide.methods.classic.fedcda as fedcda
 
     blocks = []
     real = fedcda.select_models

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from fedguide.fl.setup import open_run, prepare
 from fedguide.methods import ClientContext
-from fedguide.methods._generated_data import extra_count, mix, per_class_count
+from fedguide.methods.diffusion_guided._generated_data import extra_count, mix, per_class_count
 from fedguide.methods._synthetic import SyntheticStore
 from fedguide.registry import ConfigError
 from tiny import run_tiny, tiny_config

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from fedguide.methods.feddf import FedDF, to_run_format
-from fedguide.methods._distill import distillation_loss, fit, mean_logit_targets
+from fedguide.methods.one_shot.feddf import FedDF, to_run_format
+from fedguide.methods.one_shot._distill import distillation_loss, fit, mean_logit_targets
 from fedguide.config import build_config
 from fedguide.core.aggregation import sample_weighted_average
 from fedguide.core.weights import WeightLayout

@@ -13,9 +13,9 @@ from fedguide.fl.setup import open_run, prepare
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec
 from fedguide.guidance.shared import guidance_model
 from fedguide.guidance.fused import FusedFeatures
-from fedguide.methods._diffusion_features import RowLookup, prompt_maps, prompt_vectors
-from fedguide.methods.align_features import alignment_loss
-from fedguide.methods.feddifrc import (linear_probe, max_halving_dim, ndcr_loss, orthonormal_lift, tdcl_loss,
+from fedguide.methods.diffusion_guided._diffusion_features import RowLookup, prompt_maps, prompt_vectors
+from fedguide.methods.diffusion_guided.align_features import alignment_loss
+from fedguide.methods.diffusion_guided.feddifrc import (linear_probe, max_halving_dim, ndcr_loss, orthonormal_lift, tdcl_loss,
                                        tdcl_similarity)
 from fedguide.registry import ConfigError
 from tiny import Crash, crash_after, run_tiny, tiny_config, without_timing

@@ -21,11 +21,11 @@ from fedguide.guidance.shared import guidance_model
 from fedguide.guidance.tiny import IMAGE_EMBED
 from fedguide.methods import ClientContext
 from fedguide.fl.setup import open_run
-from fedguide.methods._centroids import (UPLOAD_KEYS, CentroidParams, client_summary, cluster_centroids,
+from fedguide.methods.frozen_encoder._centroids import (UPLOAD_KEYS, CentroidParams, client_summary, cluster_centroids,
                                          merge_small_clusters, noise_features)
-from fedguide.methods._feature_noise import FeatureNoise, resolve_process
-from fedguide.methods._frozen_encoder import class_prototypes, labeled_set, pseudo_labels
-from fedguide.methods.feddisc import check_conditioning, composed_conditions, plan_generation
+from fedguide.methods.frozen_encoder._feature_noise import FeatureNoise, resolve_process
+from fedguide.methods.frozen_encoder._frozen_encoder import class_prototypes, labeled_set, pseudo_labels
+from fedguide.methods.frozen_encoder.feddisc import check_conditioning, composed_conditions, plan_generation
 from fedguide.registry import ConfigError
 from tiny import run_tiny
 
@@ -414,7 +414,7 @@ def test_a_run_stopped_mid_generation_resumes_after_its_last_finished_batch(digi
     a, b = load_file(ref_dir / "feddisc_samples.safetensors"), load_file(run_dir / "feddisc_samples.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     # A batch whose conditions differ (other uploads, another recipe) is generated again, never read.
-    from fedguide.methods._generation_cache import GenerationCache, batch_key
+    from fedguide.methods.frozen_encoder._generation_cache import GenerationCache, batch_key
     cache = GenerationCache(tmp_path / "cache")
     key = batch_key({"steps": 2}, {"c": torch.ones(2)})
     cache.save((0, 0), key, {"features": torch.zeros(1, 2)})

@@ -11,7 +11,7 @@ from fedguide.core.aggregation import weighted_average
 from fedguide.fl.checkpoint import load_checkpoint
 from fedguide.fl.setup import prepare
 from fedguide.core.state import ClientStateStore
-from fedguide.methods.feddisco import FedDisco, FedDiscoParams, disco_weights, label_discrepancy
+from fedguide.methods.classic.feddisco import FedDisco, FedDiscoParams, disco_weights, label_discrepancy
 from tiny import run_tiny, tiny_config
 
 # Three clients, four classes, uniform reference T = [.25, .25, .25, .25]:

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedguide.methods.feddistill_plus import aggregate_class_logits, distill_term
+from fedguide.methods.classic.feddistill_plus import aggregate_class_logits, distill_term
 from pfl_cases import client_round, opened
 from tiny import run_tiny, tiny_config
 

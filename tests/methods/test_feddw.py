@@ -12,7 +12,7 @@ from fedguide.config import build_config
 from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import prepare
 from fedguide.methods.base import ClientContext
-from fedguide.methods.feddw import DWParams, aggregate_soft_labels, class_relation, dw_loss, mu_at, soft_label_matrix
+from fedguide.methods.classic.feddw import DWParams, aggregate_soft_labels, class_relation, dw_loss, mu_at, soft_label_matrix
 from fedguide.models import MODELS, ModelSpec, build_model
 from fedguide.registry import ConfigError
 

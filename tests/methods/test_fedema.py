@@ -3,7 +3,7 @@ and a client's two participations."""
 import pytest
 import torch
 
-from fedguide.methods.fedema import byol_loss, divergence_aware_blend, ema_update_
+from fedguide.methods.personalised.fedema import byol_loss, divergence_aware_blend, ema_update_
 from pfl_cases import client_round, opened
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

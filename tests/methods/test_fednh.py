@@ -14,7 +14,7 @@ from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import prepare
 from fedguide.core.seeding import derive_seed
 from fedguide.methods import METHODS, ClientContext
-from fedguide.methods.fednh import (PROTOTYPE_SEED_KEY, FedNH, FedNHParams, aggregate_class_means, cosine_logits,
+from fedguide.methods.personalised.fednh import (PROTOTYPE_SEED_KEY, FedNH, FedNHParams, aggregate_class_means, cosine_logits,
                                     orthogonal_prototypes, smooth_prototypes, spread_prototypes)
 from fedguide.models.split import SplitModel
 

@@ -12,7 +12,7 @@ from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import prepare
 from fedguide.core.state import ClientStateStore
 from fedguide.methods import METHODS, ClientContext
-from fedguide.methods.fedproto import (FedProto, FedProtoParams, aggregate_prototypes, class_feature_means,
+from fedguide.methods.personalised.fedproto import (FedProto, FedProtoParams, aggregate_prototypes, class_feature_means,
                                        nearest_prototype, prototype_loss)
 from fedguide.models.split import SplitModel
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedguide.methods import ClientContext
-from fedguide.methods.fedprox import FedProx, FedProxParams, proximal_term
+from fedguide.methods.classic.fedprox import FedProx, FedProxParams, proximal_term
 
 
 def leaf(values):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from fedguide.core.weights import WeightLayout
 from fedguide.methods import METHODS, ClientContext
-from fedguide.methods.fedrcl import (FedRCL, FedRCLParams, divergence_penalty_per_anchor, relaxed_supcon_loss,
+from fedguide.methods.diffusion_guided.fedrcl import (FedRCL, FedRCLParams, divergence_penalty_per_anchor, relaxed_supcon_loss,
                                      select_levels, supcon_per_anchor)
 from fedguide.models import MODELS, ModelSpec, build_model
 from fedguide.models.taps import FeatureTap, encoder_stages, level_representation

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from fedguide.fl.setup import open_run, prepare
 from fedguide.methods import ClientContext
-from fedguide.methods._generated_data import extra_count
-from fedguide.methods.align_features import alignment_loss
+from fedguide.methods.diffusion_guided._generated_data import extra_count
+from fedguide.methods.diffusion_guided.align_features import alignment_loss
 from tiny import run_tiny, tiny_config
 
 # tiny_sd and fmnist_root (60 training images of horizontal bands): conftest.py

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedguide.methods.feduv import iid_target_std, uniformity_loss, variance_loss
+from fedguide.methods.classic.feduv import iid_target_std, uniformity_loss, variance_loss
 from pfl_cases import opened
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from fedguide.core.weights import WeightLayout
 from fedguide.methods import METHODS, ClientContext
-from fedguide.methods.moon import Moon, MoonParams, moon_contrastive_loss
+from fedguide.methods.classic.moon import Moon, MoonParams, moon_contrastive_loss
 from fedguide.models import MODELS, ModelSpec, build_model
 
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from fedguide.core.seeding import torch_generator
 from fedguide.methods._personalise import batch_stream
-from fedguide.methods.perfedavg import meta_gradient
+from fedguide.methods.personalised.perfedavg import meta_gradient
 from pfl_cases import client_round, opened
 
 # f_b(w) = ½ wᵀA_b w − b_bᵀw, ∇f_b = A_b w − b_b, ∇²f_b = A_b; one quadratic per batch D, D′, D″.

@@ -17,7 +17,7 @@ from fedguide.core.state import ClientStateStore
 from fedguide.core.training import train_local
 from fedguide.core.weights import WeightLayout
 from fedguide.methods import ClientContext
-from fedguide.methods.scaffold import (Scaffold, ScaffoldParams, control_update, correction_term,
+from fedguide.methods.classic.scaffold import (Scaffold, ScaffoldParams, control_update, correction_term,
                                        momentum_factor, server_update)
 from tiny import run_tiny, tiny_config
 

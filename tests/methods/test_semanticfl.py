@@ -13,8 +13,8 @@ from fedguide.fl.client_step import run_client
 from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import prepare
 from fedguide.methods import ClientContext
-from fedguide.methods._diffusion_features import lookup
-from fedguide.methods.semanticfl import info_nce, kd_loss
+from fedguide.methods.diffusion_guided._diffusion_features import lookup
+from fedguide.methods.diffusion_guided.semanticfl import info_nce, kd_loss
 from fedguide.registry import ConfigError
 from tiny import Crash, crash_after, run_tiny, tiny_config, without_timing
 

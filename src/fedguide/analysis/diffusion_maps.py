@@ -31,7 +31,7 @@ from fedguide.analysis.output import new_figure, save_numbers, save_png
 from fedguide.guidance.features import DiffusionFeatures
 from fedguide.guidance.fused import FusedFeatures, PCABasis
 from fedguide.guidance.shared import class_prompts, guidance_pixels
-from fedguide.methods._diffusion_features import prompt_maps
+from fedguide.methods.diffusion_guided._diffusion_features import prompt_maps
 from fedguide.methods.base import Method
 from fedguide.methods.compose import Composed
 

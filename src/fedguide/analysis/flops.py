@@ -29,7 +29,7 @@ from fedguide.analysis.opened import AnalysisRun
 from fedguide.analysis.output import new_figure, save_numbers, save_png
 from fedguide.methods.base import ClientContext, Method
 from fedguide.methods.compose import Composed
-from fedguide.methods.fedavg import FedAvg
+from fedguide.methods.classic.fedavg import FedAvg
 from fedguide.registry import NoParams
 
 NAME = "flops"

@@ -44,7 +44,7 @@ def generated_images(run_dir: Path) -> Optional[Generated]:
     from safetensors.torch import load_file
 
     from fedguide.methods._synthetic import SyntheticStore
-    from fedguide.methods.feddisc import SAMPLES_FILE
+    from fedguide.methods.frozen_encoder.feddisc import SAMPLES_FILE
 
     images, labels, clients, sources = [], [], [], []
     store = SyntheticStore.of_run(run_dir)

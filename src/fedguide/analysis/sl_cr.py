@@ -1,6 +1,6 @@
 """FedDW's soft-label (SL) and class-relation (CR) matrices of any finished run (FedDW Fig. 8 compares
 FedAvg under IID and non-IID data with FedDW), computed from the final global model with FedDW's own
-functions (methods/feddw.py):
+functions (methods/classic/feddw.py):
 
 - SL (Eq. 4, aggregated as Eq. 7): Ω[i, :] = mean of softmax(f(x)) over the training samples of class i.
   Eq. 7 weighs each client's Ω_k[i, :] by its count of class i, which is the mean over all the clients'
@@ -20,7 +20,7 @@ import torch
 
 from fedguide.analysis.opened import AnalysisRun
 from fedguide.analysis.output import new_figure, save_numbers, save_png
-from fedguide.methods.feddw import class_relation, dw_loss, soft_label_matrix
+from fedguide.methods.classic.feddw import class_relation, dw_loss, soft_label_matrix
 
 NAME = "sl_cr"
 STATE_KEY = "dw.sl"  # the dw regulariser's server state in a checkpoint

@@ -149,4 +149,4 @@ class Method:
             raise ValueError(f"{type(self).__name__} keeps no server state but the checkpoint has {sorted(state)}")
 
 
-METHODS: Registry = Registry("method")
+METHODS: Registry = Registry("method", plugins=("fedguide.methods",))

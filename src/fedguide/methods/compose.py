@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from fedguide.methods.base import ClientContext, Method, Record
 from fedguide.registry import ConfigError, NoParams, Registry
 
-REGULARIZERS: Registry = Registry("regularizer")
+REGULARIZERS: Registry = Registry("regularizer", plugins=("fedguide.methods",))
 
 
 class Regularizer:

@@ -1,18 +1,11 @@
-"""Backbones split into encoder and head; importing this package registers every module in it."""
+"""Backbones split into encoder and head, one module per architecture family; ``MODELS`` discovers every
+public module in this package at its first lookup (a new module is registered without touching this file)."""
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Any
 
 from fedguide.models.registry import MODELS, ModelSpec
 from fedguide.models.split import SplitModel
-
-# One file per architecture family: a new module in this folder is registered without touching this file.
-for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-    if _module not in ("registry", "split") and not _module.startswith("_"):
-        importlib.import_module(f"{__name__}.{_module}")
-
 
 def build_model(name: str, params: Any, spec: ModelSpec) -> SplitModel:
     return MODELS.get(name).obj(params, spec)

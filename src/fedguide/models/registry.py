@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from fedguide.registry import Registry
 
-MODELS: Registry = Registry("model")
+MODELS: Registry = Registry("model", plugins=("fedguide.models",))
 
 
 @dataclass(frozen=True)

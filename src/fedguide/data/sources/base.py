@@ -72,5 +72,5 @@ class SourceParams(BaseModel):
     root: Optional[str] = None
 
 
-DATASETS: Registry = Registry("dataset")
+DATASETS: Registry = Registry("dataset", plugins=("fedguide.data.sources",))
 

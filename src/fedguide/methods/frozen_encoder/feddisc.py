@@ -60,8 +60,8 @@ import torch
 from pydantic import Field
 
 from fedguide.core.seeding import derive_seed
-from fedguide.methods._centroids import CentroidOneShot, CentroidParams, uploaded_centroids
-from fedguide.methods._generation_cache import GenerationCache, batch_key
+from fedguide.methods.frozen_encoder._centroids import CentroidOneShot, CentroidParams, uploaded_centroids
+from fedguide.methods.frozen_encoder._generation_cache import GenerationCache, batch_key
 from fedguide.methods._synthetic import from_uint8, to_uint8
 from fedguide.guidance.progress import progress
 from fedguide.methods.base import METHODS

@@ -57,8 +57,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, field_validator, model_validator
 
-from fedguide.methods._distill import (KLDirection, predict_logits, sgd, teacher_targets, train_on_labeled)
-from fedguide.methods._one_shot import OneShotMethod, OneShotParams, server_generator
+from fedguide.methods.one_shot._distill import (KLDirection, predict_logits, sgd, teacher_targets, train_on_labeled)
+from fedguide.methods.one_shot._one_shot import OneShotMethod, OneShotParams, server_generator
 from fedguide.methods._synthetic import (GenerationJob, PixelFormat, SyntheticSet, SyntheticStore, check_image_data,
                                          generate_set, tensor_digest, to_model_input)
 from fedguide.methods.base import METHODS

@@ -53,7 +53,7 @@ from fedguide.core.aggregation import sample_weighted_average
 from fedguide.core.training import train_local
 from fedguide.core.weights import WeightLayout
 from fedguide.methods._linear_probe import LinearProbe
-from fedguide.methods._ssl_views import view
+from fedguide.methods.personalised._ssl_views import view
 from fedguide.methods.base import METHODS, Method
 
 

@@ -64,7 +64,7 @@ from fedguide.core.training import make_optimizer
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec
 from fedguide.guidance.fused import PooledPCAFeatures
 from fedguide.guidance.shared import class_prompts, feature_store, guidance_model
-from fedguide.methods._diffusion_features import (ClientTargets, GuidanceRecord, RowLookup, block_channels,
+from fedguide.methods.diffusion_guided._diffusion_features import (ClientTargets, GuidanceRecord, RowLookup, block_channels,
                                                   cached_features, data_recipe, digest, feature_key, fit_basis,
                                                   fit_sample, guidance_images, in_batches, input_size,
                                                   input_size_note, loaded_input_size, prompt_maps, prompt_vectors,

@@ -16,7 +16,7 @@ Decisions:
 from __future__ import annotations
 
 from fedguide.methods.base import METHODS
-from fedguide.methods.fedcado import FedCADO, GenerationParams
+from fedguide.methods.one_shot.fedcado import FedCADO, GenerationParams
 
 
 @METHODS.register("sd_gen", params=GenerationParams)

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.methods.base import METHODS
 from fedguide.methods.compose import REGULARIZERS, Composed, Regularizer
-from fedguide.methods.fedavg import FedAvg
+from fedguide.methods.classic.fedavg import FedAvg
 from fedguide.registry import ConfigError, NoParams
 
 

@@ -26,7 +26,7 @@ ALL_BLOCKS = ("down.0", "down.1", "down.2", "down.3", "mid", "up.0", "up.1", "up
 
 class SDFeatureTargets:
     def __init__(self, run, seed: int = 0, extract_batch: int = 32, layers=ALL_BLOCKS):
-        from fedguide.methods._diffusion_features import input_size
+        from fedguide.methods.diffusion_guided._diffusion_features import input_size
 
         self.run, self.seed, self.extract_batch, self.layers = run, seed, extract_batch, tuple(layers)
         self.image_size: Optional[int] = input_size(run, "paper", None)  # the data's own (fedguide's models: theirs)
@@ -38,7 +38,7 @@ class SDFeatureTargets:
         from fedguide.guidance.fused import spatial_pool
         from fedguide.guidance.shared import feature_store, guidance_model
         from fedguide.guidance.store import FeatureKey
-        from fedguide.methods._diffusion_features import (RowLookup, cached_features, data_recipe, digest,
+        from fedguide.methods.diffusion_guided._diffusion_features import (RowLookup, cached_features, data_recipe, digest,
                                                           guidance_images, loaded_input_size, prompt_maps, timed,
                                                           training_rows)
 
@@ -70,7 +70,7 @@ class SDFeatureTargets:
 
     def begin(self, ctx) -> None:
         """The client's features and the map on the run's device, once per round."""
-        from fedguide.methods._diffusion_features import ClientTargets
+        from fedguide.methods.diffusion_guided._diffusion_features import ClientTargets
 
         ctx.scratch["sd_features"] = ClientTargets(self.features, self._rows, ctx, len(self.run.data.splits.train_y),
                                                    ctx.device)

@@ -46,8 +46,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fedguide.core.aggregation import sample_weighted_average
 from fedguide.data.sources import DATASETS, DatasetSplits
-from fedguide.methods._distill import distillation_loss, fit, mean_logit_targets, predict_logits
-from fedguide.methods._one_shot import OneShotMethod, OneShotParams, server_generator
+from fedguide.methods.one_shot._distill import distillation_loss, fit, mean_logit_targets, predict_logits
+from fedguide.methods.one_shot._one_shot import OneShotMethod, OneShotParams, server_generator
 from fedguide.methods.base import METHODS
 from fedguide.registry import ConfigError
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedguide.methods._frozen_encoder import FrozenFeatures, score
+from fedguide.methods.frozen_encoder._frozen_encoder import FrozenFeatures, score
 from fedguide.methods.base import METHODS, Method
 from fedguide.registry import ConfigError
 

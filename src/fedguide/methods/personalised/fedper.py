@@ -20,7 +20,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.methods._personalise import top_layers_start
-from fedguide.methods._split_federation import SplitFederation
+from fedguide.methods.personalised._split_federation import SplitFederation
 from fedguide.methods.base import METHODS
 
 

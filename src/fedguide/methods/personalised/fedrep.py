@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.core.training import train_local
 from fedguide.methods._personalise import frozen, head_span, train_head
-from fedguide.methods._split_federation import SplitFederation
+from fedguide.methods.personalised._split_federation import SplitFederation
 from fedguide.methods.base import METHODS
 
 

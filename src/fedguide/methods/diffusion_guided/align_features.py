@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedguide.guidance.shared import feature_store, guidance_model
 from fedguide.guidance.store import FeatureKey
 from fedguide.guidance.vit_encoder import Pooling
-from fedguide.methods._diffusion_features import (ClientTargets, GuidanceRecord, RowLookup, cached_features,
+from fedguide.methods.diffusion_guided._diffusion_features import (ClientTargets, GuidanceRecord, RowLookup, cached_features,
                                                   data_recipe, digest, guidance_images, timed, training_rows)
 from fedguide.methods.base import METHODS, Method
 from fedguide.registry import ConfigError

@@ -14,8 +14,8 @@ Global accuracy: the averaged model on the global test set (FedAvg's).
 """
 from __future__ import annotations
 
-from fedguide.methods._diffusion_features import GuidanceRecord
-from fedguide.methods._generated_data import GeneratedData, GeneratedDataParams, extra_count, mix
+from fedguide.methods.diffusion_guided._diffusion_features import GuidanceRecord
+from fedguide.methods.diffusion_guided._generated_data import GeneratedData, GeneratedDataParams, extra_count, mix
 from fedguide.methods.base import METHODS, Method
 
 

@@ -79,7 +79,7 @@ from fedguide.guidance.fused import FusedFeatures, layer_dims
 from fedguide.guidance.hooks import decoder_layer
 from fedguide.guidance.shared import PROMPT, class_prompts, feature_store, guidance_model
 from fedguide.guidance.store import FeatureKey, FeatureStore
-from fedguide.methods._diffusion_features import (ClientPositions, ClientTargets, GuidanceRecord, RowLookup,
+from fedguide.methods.diffusion_guided._diffusion_features import (ClientPositions, ClientTargets, GuidanceRecord, RowLookup,
                                                   block_channels, cached_features, data_recipe, digest, feature_key,
                                                   fit_basis, fit_sample, guidance_images, in_batches, input_size,
                                                   input_size_note, loaded_input_size, prompt_maps, prompt_vectors,

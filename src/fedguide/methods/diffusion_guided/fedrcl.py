@@ -71,7 +71,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedguide.methods._generated_data import GeneratedData, GeneratedDataParams, extra_count, mix
+from fedguide.methods.diffusion_guided._generated_data import GeneratedData, GeneratedDataParams, extra_count, mix
 from fedguide.methods.base import METHODS, Method
 from fedguide.models.taps import FeatureTap, encoder_stages
 from fedguide.registry import ConfigError
@@ -178,7 +178,7 @@ class FedRCL(Method):
         self._generated = GeneratedData(run, params.generated) if params.generated is not None else None
         self._sd = None
         if params.sd_align > 0:
-            from fedguide.methods._sd_alignment import SDFeatureTargets
+            from fedguide.methods.diffusion_guided._sd_alignment import SDFeatureTargets
 
             self._sd = SDFeatureTargets(run)
 
@@ -189,7 +189,7 @@ class FedRCL(Method):
             raise ConfigError(str(err)) from None
         if self._generated is None and self._sd is None:
             return
-        from fedguide.methods._diffusion_features import GuidanceRecord
+        from fedguide.methods.diffusion_guided._diffusion_features import GuidanceRecord
 
         record = GuidanceRecord(self.run, "fedrcl")
         if self._generated is not None:
@@ -219,7 +219,7 @@ class FedRCL(Method):
             rcl = torch.stack([relaxed_supcon_loss(f, y, p.tau, p.beta, p.lam) for f in levels]).mean()
             loss = loss + p.weight * rcl
         if self._sd is not None:  # †: the real samples' z towards the guidance model's features of their images
-            from fedguide.methods.align_features import alignment_loss
+            from fedguide.methods.diffusion_guided.align_features import alignment_loss
 
             loss = loss + p.sd_align * alignment_loss(z[:real], self._sd.targets(ctx, z),
                                                       normalize=True)

@@ -19,7 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.core.seeding import derive_seed, torch_generator
-from fedguide.methods._frozen_encoder import (FrozenFeatures, Head, average_heads, class_prototypes,
+from fedguide.methods.frozen_encoder._frozen_encoder import (FrozenFeatures, Head, average_heads, class_prototypes,
                                              head_from_state, head_metrics, head_state, labeled_set, new_head, train_head)
 from fedguide.methods.base import ClientContext, Method
 
