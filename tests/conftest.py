@@ -1,6 +1,4 @@
 import os
-import sys
-from pathlib import Path
 
 # Tests never reach the network: no dataset download, no model hub.
 os.environ.setdefault("FEDGUIDE_OFFLINE", "1")
@@ -13,8 +11,6 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"
-# Shared helpers (tiny.py) are importable from every test folder.
-sys.path.insert(0, str(Path(__file__).parent))
 
 # Property tests draw the same examples on every run: a CI result never depends on luck. Hypothesis is a dev
 # tool: where it is absent (a GPU host running tests/gpu with plain pytest) the modules that use it fail on

@@ -12,7 +12,7 @@ import yaml
 
 import fedguide
 from fedguide.config import Config
-from tiny import Crash, crash_after, tiny_raw, without_timing
+from tests.tiny import Crash, crash_after, tiny_raw, without_timing
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"

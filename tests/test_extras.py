@@ -12,7 +12,7 @@ from fedguide.extras import EXTRAS, require_extras
 from fedguide.fl.runtimes.base import RUNTIMES
 from fedguide.methods import METHODS
 from fedguide.registry import ConfigError
-from tiny import GUIDED_METHODS
+from tests.tiny import GUIDED_METHODS
 
 REPO = Path(__file__).resolve().parents[1]
 # Distribution names of each extra whose modules fedguide imports (what EXTRAS checks).
@@ -77,7 +77,7 @@ def test_require_extras_names_the_pip_command(monkeypatch):
 
 
 def test_without_the_optional_packages_the_core_runs_and_the_layers_name_their_extra(tmp_path):
-    from tiny import tiny_raw
+    from tests.tiny import tiny_raw
 
     raw = tiny_raw(train={"rounds": 1})
     blocked = sorted({m for modules in EXTRAS.values() for m in modules} | {"accelerate"})

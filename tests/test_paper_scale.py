@@ -1,15 +1,12 @@
 """benchmarks/paper_scale.py: a paper config's cost on stand-in data, its projection and its floor."""
 import re
 import sys
-from pathlib import Path
 
+import paper_scale
 import pytest
 
 from fedguide.registry import ConfigError
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import paper_scale  # noqa: E402
+from tests import REPO
 
 SMALL = REPO / "configs/paper/feddw_mnist_practical.yaml"  # a CNN on MNIST-shaped data, 10 clients
 KEYS = ("setup_s", "s_per_round", "peak_gpu_gib", "projected_hours", "ratio_vs_floor")

@@ -6,7 +6,7 @@ import pytest
 
 from fedguide.registry import ConfigError
 from fedguide.sweeps import grid, parse_axis, plan, run_state
-from tiny import run_tiny, tiny_config, tiny_raw
+from tests.tiny import run_tiny, tiny_config, tiny_raw
 
 
 def folders(*specs: str) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fedguide.config import build_config
-from tiny import run_tiny, tiny_config, tiny_raw
+from tests.tiny import run_tiny, tiny_config, tiny_raw
 
 # 8-pixel digits of 3 domains (about 1500 training and 380 test images); the runs keep a few % of the
 # training images, every client a few of most classes.

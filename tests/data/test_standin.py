@@ -8,7 +8,7 @@ from fedguide.data.sources._images import normalise
 from fedguide.data.sources.standin import SHAPES, StandinParams, draw, load_standin, plan, standin_section
 from fedguide.fl.setup import prepare
 from fedguide.registry import ConfigError
-from tiny import tiny_config
+from tests.tiny import tiny_config
 
 
 def load(**params):

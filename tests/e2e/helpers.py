@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 from safetensors.torch import load_file
-from tiny import tiny_raw
+from tests.tiny import tiny_raw
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import yaml
 
-from helpers import REPO, cli, metrics, summary, tiny_config
+from tests.e2e.helpers import REPO, cli, metrics, summary, tiny_config
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -138,7 +138,7 @@ def test_sweep_checks_every_combination_before_the_first_run(tmp_path):
 def test_a_sweep_run_again_skips_finished_runs_and_continues_the_unfinished_one(tmp_path):
     import fedguide
     from fedguide.fl.engine import TIMING_METRICS
-    from tiny import Crash, crash_after
+    from tests.tiny import Crash, crash_after
 
     cfg = tiny_config(tmp_path / "cfg.yaml", train={"rounds": 3, "epochs": 1})
     parent = tmp_path / "sweep"

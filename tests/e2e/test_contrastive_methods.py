@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedguide.core.state import ClientStateStore
-from tiny import run_tiny, tiny_config, without_timing
+from tests.tiny import run_tiny, tiny_config, without_timing
 
 
 def run(tmp_path, name, **over):

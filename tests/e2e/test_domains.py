@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from helpers import cli, metrics, summary
+from tests.e2e.helpers import cli, metrics, summary
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -7,8 +7,8 @@ import pytest
 
 from fedguide.cli import main
 from fedguide.methods import METHODS
-from helpers import REPO
-from tiny import GUIDED_METHODS, SWEEP_OVERRIDES
+from tests.e2e.helpers import REPO
+from tests.tiny import GUIDED_METHODS, SWEEP_OVERRIDES
 
 # FedDW's default model has the paper's two mapping layers, which SGD at lr 0.01 does not train far in three
 # short rounds (best 28 %, as FedAvg with the same layers); with the paper's own optimiser it reaches 49 %.

@@ -13,8 +13,9 @@ import time
 import pytest
 import torch
 
-from helpers import REPO, cli, metrics, summary, tiny_config
-from tiny import without_timing
+from tests import python_env
+from tests.e2e.helpers import REPO, cli, metrics, summary, tiny_config
+from tests.tiny import without_timing
 from fedguide.config import load_config
 from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import prepare
@@ -71,7 +72,6 @@ def test_sigterm_ends_a_pool_run_like_ctrl_c_and_it_resumes(tmp_path):
 SUITE = """
 import sys
 from pathlib import Path
-sys.path.insert(0, "benchmarks")
 from _runs import ensure_run
 ensure_run(sys.argv[1], Path(sys.argv[2]), [])
 """
@@ -83,8 +83,7 @@ def test_sigterm_to_a_benchmark_suite_stops_its_run_and_leaves_it_resumable(tmp_
     running on alone with its folder locked."""
     cfg = tiny_config(tmp_path / "cfg.yaml", train={"rounds": 100})
     run_dir = tmp_path / "run"
-    env = {**os.environ, "FEDGUIDE_OFFLINE": "1"}
-    suite = subprocess.Popen([sys.executable, "-c", SUITE, str(cfg), str(run_dir)], cwd=REPO, env=env,
+    suite = subprocess.Popen([sys.executable, "-c", SUITE, str(cfg), str(run_dir)], cwd=REPO, env=python_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_rounds(run_dir, 1, suite)
     child = int((run_dir / ".lock").read_text())

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from helpers import cli, metrics, popen, summary, tiny_config, weights
+from tests.e2e.helpers import cli, metrics, popen, summary, tiny_config, weights
 from fedguide.fl.engine import TIMING_METRICS
 
 TIMING_KEYS = TIMING_METRICS

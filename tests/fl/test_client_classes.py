@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from fedguide.config import build_config
 from fedguide.core.evaluation import class_set_accuracy, mean_metrics
 from fedguide.fl.setup import open_run, prepare
-from tiny import run_tiny, tiny_config, tiny_raw
+from tests.tiny import run_tiny, tiny_config, tiny_raw
 
 
 def disjoint(**over):

@@ -12,7 +12,7 @@ from fedguide.core.seeding import sample_clients
 from fedguide.core.state import ClientStateStore
 from fedguide.registry import ConfigError
 from fedguide.config import build_config
-from tiny import run_tiny, tiny_config, tiny_raw
+from tests.tiny import run_tiny, tiny_config, tiny_raw
 
 
 def config(**over):

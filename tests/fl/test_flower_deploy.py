@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from fedguide.config import build_config, to_yaml
 from fedguide.fl.setup import prepare
 from fedguide.registry import ConfigError
-from tiny import run_tiny, tiny_config, tiny_raw, without_timing
+from tests.tiny import run_tiny, tiny_config, tiny_raw, without_timing
 
 pytest.importorskip("flwr")
 

@@ -22,7 +22,7 @@ import yaml
 from fedguide.config import build_config
 from fedguide.fl.setup import prepare, resolve
 from fedguide.registry import ConfigError
-from tiny import run_tiny, tiny_config, tiny_raw
+from tests.tiny import run_tiny, tiny_config, tiny_raw
 
 pytest.importorskip("flwr")
 
@@ -32,7 +32,7 @@ from fedguide.fl.flower.protocol import fingerprint  # noqa: E402
 from fedguide.fl.flower.processes import (LocalControl, alive, command_line, descendants, free_port,  # noqa: E402
                                           stop_tree)
 from fedguide.fl.runtimes.flower import flower_params  # noqa: E402
-from test_flower_deploy import FLOWER, deployed_rows, read_rows, start_client  # noqa: E402
+from tests.fl.test_flower_deploy import FLOWER, deployed_rows, read_rows, start_client  # noqa: E402
 
 
 # ---- certificates and keys ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from fedguide.fl.flower.records import decode, encode
 from fedguide.fl.client_step import ClientResult
 from fedguide.fl.flower.sim import (FlowerClientFailed, FlowerClients, actors_and_threads, descendants,
                                     results_in_job_order)
-from tiny import run_tiny, tiny_config, tiny_raw, without_timing
+from tests.tiny import run_tiny, tiny_config, tiny_raw, without_timing
 
 pytest.importorskip("flwr")
 pytest.importorskip("ray")

@@ -13,7 +13,7 @@ from fedguide.fl.engine import Experiment
 from fedguide.fl.loggers import LOGGERS, CsvLogger, TensorBoardLogger, scalars
 from fedguide.fl.setup import prepare
 from fedguide.registry import ConfigError
-from tiny import Crash, crash_after, run_tiny, tiny_config
+from tests.tiny import Crash, crash_after, run_tiny, tiny_config
 
 
 def read_csv(path) -> list[dict[str, str]]:

@@ -12,7 +12,7 @@ from fedguide.data.federated import FederatedData, personal_test_splits, scored_
 from fedguide.data.sources.base import DatasetSplits
 from fedguide.fl.setup import prepare
 from fedguide.registry import ConfigError
-from tiny import run_tiny, tiny_config, without_timing
+from tests.tiny import run_tiny, tiny_config, without_timing
 
 
 def test_splits_follow_each_clients_training_mix_by_largest_remainders():

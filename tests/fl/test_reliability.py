@@ -18,7 +18,7 @@ from fedguide.fl.engine import Experiment
 from fedguide.fl.run_lock import RunFolderBusy, RunLock
 from fedguide.fl.setup import load_run_config, prepare
 from fedguide.registry import ConfigError
-from tiny import Crash, crash_after, run_tiny, tiny_config, without_timing
+from tests.tiny import Crash, crash_after, run_tiny, tiny_config, without_timing
 
 
 # ---- the lock ----------------------------------------------------------------------------------------

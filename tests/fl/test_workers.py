@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,8 @@ from fedguide.fl.setup import prepare
 from fedguide.fl.runtimes.local import DEFAULT_THREADS, LocalParams, WorkerCrashed, auto_workers, resolve_workers
 from fedguide.methods import METHODS
 from fedguide.fl.engine import TIMING_METRICS
-from tiny import GUIDED_METHODS, SWEEP_OVERRIDES
+from tests import python_env
+from tests.tiny import GUIDED_METHODS, SWEEP_OVERRIDES
 
 
 def config(workers, method="fedavg", **over):
@@ -134,14 +134,12 @@ def test_a_script_without_main_guard_fails_clearly_instead_of_hanging(tmp_path):
     # spawn re-imports the script in each worker, where starting another pool fails at once
     script = tmp_path / "unguarded.py"
     script.write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
-        "from tiny import tiny_config\n"
+        "from tests.tiny import tiny_config\n"
         "from fedguide.fl.engine import Experiment\n"
         "from fedguide.fl.setup import prepare\n"
         "cfg = tiny_config(runtime={'workers': 2, 'threads_per_worker': 1}, train={'rounds': 1})\n"
         f"Experiment(prepare(cfg), {str(tmp_path / 'run')!r}, log=lambda s: None).run()\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "FEDGUIDE_OFFLINE": "1"})
+                          env=python_env())
     assert proc.returncode != 0
     assert "WorkerCrashed" in proc.stderr and "__main__" in proc.stderr

@@ -6,7 +6,6 @@ checks are benchmarks/gpu_checks.py's (which scripts/device-check.sh runs withou
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -24,14 +23,8 @@ pytestmark = [pytest.mark.gpu,
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _checks():
-    spec = importlib.util.spec_from_file_location("gpu_checks", REPO / "benchmarks/gpu_checks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import gpu_checks as checks  # noqa: E402  (benchmarks/, on the tests' pythonpath)
 
-
-checks = _checks()
 SMOKE = checks.HASHES.SMOKE
 
 

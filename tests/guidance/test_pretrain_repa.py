@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from fedguide.config import GuidanceConfig
 from fedguide.guidance.model import GuidanceModel
 
-from test_embedded import card_hashes, kill_before_writing, small_settings
+from tests.guidance.test_embedded import card_hashes, kill_before_writing, small_settings
 
 # At 64 px the backbone's feature map is 2 x 2: pooled to mid's 1 x 1 grid, resized up to up.1's 4 x 4.
 REPA = dict(repa_weight=0.5, repa_layers=("mid", "up.1"), repa_target="effnet", clip_image_size=64)

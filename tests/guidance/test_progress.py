@@ -144,7 +144,7 @@ def test_the_command_line_shows_rounds_as_plain_lines_off_a_terminal():
 
 
 def test_a_run_adds_rate_and_time_left_beside_its_round_lines(tmp_path):
-    from tiny import tiny_config
+    from tests.tiny import tiny_config
 
     from fedguide.fl.engine import Experiment
     from fedguide.fl.setup import prepare

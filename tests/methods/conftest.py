@@ -11,7 +11,7 @@ import pytest
 from fedguide.config import GuidanceConfig, build_config
 from fedguide.data.sources import DATASETS
 from fedguide.guidance.shared import guidance_model
-from tiny import tiny_raw
+from tests.tiny import tiny_raw
 
 CLASSES = 10
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fedguide.fl.client_step import run_client
 from fedguide.fl.setup import open_run, prepare
-from tiny import tiny_config
+from tests.tiny import tiny_config
 
 
 def opened(tmp_path, method: dict, **over):

@@ -20,7 +20,7 @@ import copy
 import pytest
 
 from fedguide.config import build_config
-from tiny import BASE, run_tiny, tiny_raw, without_timing
+from tests.tiny import BASE, run_tiny, tiny_raw, without_timing
 
 # tiny_sd, tiny_unclip, tiny_clip, fmnist_root, cached_digits, one_thread: conftest.py
 pytestmark = pytest.mark.usefixtures("cached_digits", "one_thread")
@@ -113,7 +113,7 @@ def without_clock(value):
 
 
 def test_every_guided_method_has_a_case():
-    from tiny import GUIDED_METHODS
+    from tests.tiny import GUIDED_METHODS
 
     assert GUIDED_METHODS | {"fedrcl"} == set(CASES)
 

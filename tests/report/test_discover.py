@@ -9,7 +9,7 @@ import yaml
 
 from fedguide.cli import main
 from fedguide.report import find_run_dirs, load_run, report
-from report_runs import make_run, table_rows
+from tests.report.report_runs import make_run, table_rows
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import pytest
 from fedguide.config import ROUND_ACCURACY_MARKS, ReportConfig, build_config, default_last_k
 from fedguide.registry import ConfigError
 from fedguide.report import load_run, report, results_table, rounds_to_table
-from report_runs import make_run, table_rows, with_config
-from tiny import run_tiny, tiny_config, tiny_raw
+from tests.report.report_runs import make_run, table_rows, with_config
+from tests.tiny import run_tiny, tiny_config, tiny_raw
 
 LAST, K = 7, 6  # columns of the results table
 

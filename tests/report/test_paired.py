@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fedguide.report import bootstrap_interval, paired_comparisons, paired_table, report
-from report_runs import make_run, table_rows, with_config
+from tests.report.report_runs import make_run, table_rows, with_config
 
 # Four rounds: k = 2, so accuracy_last_k is the mean of rounds 3 and 4.
 BASE = [0.10, 0.20, 0.30, 0.50]

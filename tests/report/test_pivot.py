@@ -7,7 +7,7 @@ import io
 import pytest
 
 from fedguide.report import pivot_data, pivot_table, report, results_table
-from report_runs import make_run, table_rows, with_config
+from tests.report.report_runs import make_run, table_rows, with_config
 
 CURVE = [0.10, 0.20, 0.30, 0.50]  # 4 rounds: k = 2, accuracy_last_k = mean of rounds 3 and 4
 

@@ -8,7 +8,7 @@ import pytest
 
 from fedguide.report import RunRecord, load_run, make_plots, report, results_table
 
-from report_runs import ROUNDS, make_run, rows_of, table_rows, with_config
+from tests.report.report_runs import ROUNDS, make_run, rows_of, table_rows, with_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Columns of the results table.

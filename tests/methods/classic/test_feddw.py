@@ -1,0 +1,173 @@
+"""FedDW against its equations (papers/feddw.md, Eq. 4-12, Theorem 1) and its composability."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedguide.config import build_config
+from fedguide.fl.engine import Experiment
+from fedguide.fl.setup import prepare
+from fedguide.methods.base import ClientContext
+from fedguide.methods.classic.feddw import DWParams, aggregate_soft_labels, class_relation, dw_loss, mu_at, soft_label_matrix
+from fedguide.models import MODELS, ModelSpec, build_model
+from fedguide.registry import ConfigError
+
+
+def test_eq11_on_a_hand_computed_three_class_example():
+    # ω = [[1,0],[0,1],[0,0]] -> ωωᵀ = diag(1,1,0); softmax rows:
+    #   rows 0,1: e/(e+2) = 0.576117, 1/(e+2) = 0.211942;  row 2: 1/3 each.
+    # Ω = I: row 0 and 1 contribute (1-0.576117)² + 2·0.211942² = 0.269515 each,
+    #        row 2 contributes (1/3)² + (1/3)² + (2/3)² = 0.666667.
+    # L_reg = (2·0.269515 + 0.666667) / 3² = 0.133966
+    omega = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    e = math.e
+    cr = class_relation(omega)
+    assert cr[0].tolist() == pytest.approx([e / (e + 2), 1 / (e + 2), 1 / (e + 2)], abs=1e-6)
+    assert cr[2].tolist() == pytest.approx([1 / 3] * 3, abs=1e-6)
+    assert dw_loss(torch.eye(3), omega).item() == pytest.approx(0.133966, abs=1e-5)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+# scale ≤ 2 keeps ω ωᵀ near 64, so float64 softmax never saturates to an exact one-hot row (which
+# would make L_reg exactly 0 against Ω = I although the real-valued bound is strict).
+@given(c=st.integers(2, 12), k=st.integers(1, 16), scale=st.floats(0.01, 2.0), one_hot=st.booleans(),
+       seed=st.integers(0, 10_000))
+def test_theorem1_regulariser_is_bounded(c, k, scale, one_hot, seed):
+    # 0 < L_reg < 2/C whenever Ω has probability rows (both sides' rows sum to one).
+    g = torch.Generator().manual_seed(seed)
+    omega = torch.randn(c, k, generator=g, dtype=torch.float64) * scale
+    sl = torch.eye(c, dtype=torch.float64) if one_hot else torch.softmax(torch.randn(c, c, generator=g, dtype=torch.float64), 1)
+    value = dw_loss(sl, omega).item()
+    assert 0.0 < value < 2.0 / c
+
+
+def test_soft_label_matrix_is_the_per_class_mean_of_softmax_outputs():
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.4, 0.1], [0.1, 0.8, 0.1]])
+    labels = torch.tensor([0, 0, 1])
+    sl, counts = soft_label_matrix(probs, labels, 3)
+    assert counts.tolist() == [2, 1, 0]
+    assert sl[0].tolist() == pytest.approx([0.6, 0.3, 0.1])
+    assert sl[1].tolist() == pytest.approx([0.1, 0.8, 0.1])
+    assert sl[2].tolist() == [0.0, 0.0, 0.0]  # absent class: no row (weighted by a zero count)
+
+
+def test_eq7_aggregates_per_class_by_counts_and_keeps_unseen_rows():
+    previous = torch.eye(3)
+    a = torch.tensor([[0.8, 0.1, 0.1], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    b = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.6, 0.2], [0.0, 0.0, 0.0]])
+    out = aggregate_soft_labels(previous, [a, b], [torch.tensor([2, 0, 0]), torch.tensor([1, 3, 0])])
+    # row 0: (2·[0.8,0.1,0.1] + 1·[0.5,0.5,0]) / 3 = [0.7, 0.2333, 0.0667]
+    assert out[0].tolist() == pytest.approx([0.7, 0.7 / 3, 0.2 / 3], abs=1e-6)
+    assert out[1].tolist() == pytest.approx([0.2, 0.6, 0.2])  # only b holds class 1
+    assert out[2].tolist() == [0.0, 0.0, 1.0]  # nobody holds class 2: previous row kept
+
+
+def test_mu_decay_is_off_by_default_and_matches_the_released_schedule_when_on():
+    assert [mu_at(DWParams(mu=1.0), r) for r in (1, 9, 10, 50)] == [1.0, 1.0, 1.0, 1.0]
+    p = DWParams(mu=1.0, mu_decay_every=9)
+    assert [mu_at(p, r) for r in (1, 9, 10, 19)] == pytest.approx([1.0, 1.0, 0.1, 0.01])
+
+
+def test_the_head_really_has_no_bias():
+    m = build_model("cnn", MODELS.get("cnn").params(mapping=[128, 128], head_bias=False), ModelSpec((1, 28, 28), 10))
+    assert m.head.bias is None and m.head.weight.shape == (10, 128)
+    assert not any(n.startswith("head.bias") for n in m.state_dict())
+
+
+def tiny(method, **over):
+    raw = {
+        "data": {"name": "digits"},
+        "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
+        "model": {"name": "mlp", "mapping": [32]},
+        "method": method,
+        "clients": {"num": 4, "per_round": 4},
+        "train": {"rounds": 3, "epochs": 2, "batch_size": 32, "lr": 0.05},
+        "runtime": {"workers": 1, "threads_per_worker": 1},
+        "seed": 2,
+    }
+    raw.update(over)
+    return build_config(raw)
+
+
+def test_feddw_defaults_to_a_bias_free_head_and_refuses_an_explicit_bias(tmp_path):
+    assert prepare(tiny({"name": "feddw"})).config.model.params_dict()["head_bias"] is False
+    cfg = tiny({"name": "feddw"}, model={"name": "mlp", "head_bias": True})
+    with pytest.raises(ConfigError, match="head_bias=false"):
+        Experiment(prepare(cfg), tmp_path / "run", log=lambda s: None).run()
+
+
+def test_feddw_defaults_to_the_papers_two_mapping_layers_unless_given():
+    # Sec. V-A: two FC mapping layers and a 128-d vector into the classification layer
+    assert prepare(tiny({"name": "feddw"}, model={"name": "mlp"})).config.model.params_dict()["mapping"] == [128, 128]
+    assert prepare(tiny({"name": "feddw"})).config.model.params_dict()["mapping"] == [32]  # the config's own
+    # the dw regulariser on another method leaves that method's architecture as configured
+    moon_dw = prepare(tiny({"name": "moon"}, model={"name": "mlp"}, regularizers=["dw"])).config.model.params_dict()
+    assert moon_dw["mapping"] == [] and moon_dw["head_bias"] is False
+
+
+def test_feddw_mnist_cnn_has_no_pooling_and_its_fc_layers_are_the_mapping_layers():
+    params = MODELS.parse_params("cnn", {"pooling": False, "feature_dim": None, "channels": [10, 20],
+                                         "mapping": [128, 128], "head_bias": False}, "model")
+    m = build_model("cnn", params, ModelSpec((1, 28, 28), 10))
+    assert not any(isinstance(x, torch.nn.MaxPool2d) for x in m.modules())
+    linears = [x for x in m.modules() if isinstance(x, torch.nn.Linear)]
+    # conv 5x5 twice without pooling: 28 -> 24 -> 20; 20 channels x 20 x 20 flattened into mapping layer 1
+    assert [(x.in_features, x.out_features) for x in linears] == [(20 * 20 * 20, 128), (128, 128), (128, 10)]
+    assert m(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    pooled = build_model("cnn", MODELS.parse_params("cnn", {}, "model"), ModelSpec((1, 28, 28), 10))
+    assert sum(isinstance(x, torch.nn.MaxPool2d) for x in pooled.modules()) == 2  # the default keeps its pooling
+    with pytest.raises(ValueError, match="at least 9x9"):
+        build_model("cnn", params, ModelSpec((1, 8, 8), 10))
+
+
+@pytest.mark.parametrize("setting", ["practical", "pathological"])
+def test_feddw_mnist_paper_configs_use_the_unpooled_cnn(setting):
+    from pathlib import Path
+
+    from fedguide.config import load_config
+    from fedguide.fl.setup import resolve
+
+    cfg, parsed = resolve(load_config(Path(__file__).parents[3] / f"configs/paper/feddw_mnist_{setting}.yaml"))
+    model = parsed["model"]
+    assert cfg.model.name == "cnn" and not model.pooling and model.feature_dim is None
+    assert model.mapping == [128, 128]
+
+
+def test_moon_plus_dw_loss_is_moon_loss_plus_mu_times_lreg(tmp_path):
+    cfg = tiny({"name": "moon"}, regularizers=[{"name": "dw", "mu": 0.7}])
+    exp = Experiment(prepare(cfg), tmp_path / "run", log=lambda s: None)
+    ctx, composed = exp.build_context()
+    composed.setup()
+    model = ctx.model
+    g = torch.Generator().manual_seed(0)
+    sl = torch.softmax(torch.randn(10, 10, generator=g), 1)
+    composed.regs[0].sl = sl  # a non-trivial global SL matrix
+    prev = ctx.initial_weights + 0.01 * torch.randn(ctx.initial_weights.shape, generator=g)
+    payload = composed.server_payload(2, 0, ctx.initial_weights)
+    assert torch.equal(payload["dw.sl"], sl)
+    cctx = ClientContext(0, 2, ctx.data.client(0), payload, {"prev_weights": prev})
+    ctx.layout.load(model, composed.client_start(cctx))
+    composed.begin_local(model, cctx)
+    assert cctx.scratch["moon"] is not None  # MOON's contrastive term is active
+    x, y = ctx.data.client(0).x[:16], ctx.data.client(0).y[:16]
+    torch.manual_seed(0)
+    total = composed.local_loss(model, x, y, cctx)
+    torch.manual_seed(0)
+    moon_only = composed.base.local_loss(model, x, y, cctx)
+    assert total.item() == pytest.approx(moon_only.item() + 0.7 * dw_loss(sl, model.head.weight).item(), rel=1e-6)
+
+
+def test_feddw_run_learns_uploads_sl_and_keeps_it_as_server_state(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = Experiment(prepare(tiny({"name": "feddw", "mu": 1.0})), run_dir, log=lambda s: None).run()
+    assert summary["final_accuracy"] > 0.5
+    from safetensors.torch import load_file
+
+    sl = load_file(run_dir / "checkpoints" / "last.safetensors")["method.dw.sl"]
+    assert sl.shape == (10, 10)
+    torch.testing.assert_close(sl.sum(1), torch.ones(10))  # every class seen: probability rows
+    assert not torch.equal(sl, torch.eye(10))

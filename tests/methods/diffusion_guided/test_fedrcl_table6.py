@@ -1,0 +1,81 @@
+"""FedRCL's FedDifRC Table 6 variants: ◇ (generated images join each client's batches), † (L2 alignment of z to
+the guidance model's features of the image) and ◇+†, on a tiny Stable-Diffusion-layout pipeline."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedguide.fl.setup import open_run, prepare
+from fedguide.methods import ClientContext
+from fedguide.methods.diffusion_guided._generated_data import extra_count
+from fedguide.methods.diffusion_guided.align_features import alignment_loss
+from tests.tiny import run_tiny, tiny_config
+
+# tiny_sd and fmnist_root (60 training images of horizontal bands): conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+GEN = {"per_class": 2, "steps": 1, "cfg_scale": 1.0, "gen_batch_size": 16}  # one UNet pass per sampler batch
+
+
+def config(tiny_sd, fmnist_root, cache, **params):
+    return tiny_config({"data": {"name": "fmnist", "root": str(fmnist_root)},
+                        "guidance": {"model": str(tiny_sd), "feature_cache": str(cache)}, "train": {"rounds": 2}},
+                       method={"name": "fedrcl", **params})
+
+
+def client(ctx, method, cid=0):
+    data = ctx.data.client(cid)
+    cctx = ClientContext(cid, 1, data, method.server_payload(1, cid, ctx.initial_weights), {})
+    method.begin_local(ctx.model, cctx)
+    idx = data.indices[:8]
+    cctx.batch_indices = idx
+    return cctx, data.x[idx], data.y[idx]
+
+
+def test_generated_images_join_the_batch_every_level_sees(tmp_path, tiny_sd, fmnist_root):
+    ctx, method = open_run(prepare(config(tiny_sd, fmnist_root, tmp_path / "c", generated=GEN)), tmp_path / "run",
+                           setup=True)
+    cctx, x, y = client(ctx, method)
+    seen = []
+    handle = ctx.model.encoder.register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
+    try:
+        method.local_loss(ctx.model, x, y, cctx)
+    finally:
+        handle.remove()
+        method._tap.detach()
+    pool = cctx.scratch["generated"][1]
+    assert len(pool) > 0 and seen == [8 + extra_count(8, len(pool), len(cctx.data))]
+
+
+def test_sd_alignment_adds_lambda_times_the_normalised_l2_to_its_targets(tmp_path, tiny_sd, fmnist_root):
+    cfg = config(tiny_sd, fmnist_root, tmp_path / "c", sd_align=2.0, weight=0.0)
+    ctx, method = open_run(prepare(cfg), tmp_path / "run", setup=True)
+    sd = method._sd
+    rows = sd._rows(ctx.data.client(0).indices[:3])
+    e = torch.as_tensor(sd.features[rows]).float()
+    cctx, x, y = client(ctx, method)
+    first = ClientContext(0, 1, ctx.data.client(0), {}, {}, scratch=cctx.scratch,
+                          batch_indices=ctx.data.client(0).indices[:3])
+    assert torch.allclose(sd.targets(first, torch.zeros(1)), e @ sd.map.T)  # P e(x)
+    with torch.no_grad():
+        got = method.local_loss(ctx.model, x, y, cctx)
+        z, logits = ctx.model.forward_features(x)
+        expected = F.cross_entropy(logits, y) + 2.0 * alignment_loss(z, sd.targets(cctx, z), True)
+    method._tap.detach()
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+    record = json.loads((tmp_path / "run" / "guidance" / "fedrcl.json").read_text())["sd_features"]
+    assert record["shape"][0] == 60  # every training image, pooled over every UNet block
+
+
+def test_both_variants_run_together(tmp_path, tiny_sd, fmnist_root):
+    summary, rows, run_dir = run_tiny(tmp_path, config(tiny_sd, fmnist_root, tmp_path / "c", generated=GEN,
+                                                       sd_align=1.0))
+    assert len(rows) == 2 and 0.0 <= summary["final_accuracy"] <= 1.0
+    record = json.loads((run_dir / "guidance" / "fedrcl.json").read_text())
+    assert record["generated_data"]["generated_images"] > 0 and "sd_features" in record
+
+
+def test_the_default_fedrcl_needs_no_guidance_model(tmp_path):
+    ctx, method = open_run(prepare(tiny_config(method={"name": "fedrcl"})), tmp_path / "run", setup=True)
+    assert method._generated is None and method._sd is None
+    assert not (tmp_path / "run" / "guidance").exists()
