@@ -41,7 +41,7 @@ def test_run_refuses_a_folder_that_holds_a_run(reference):
 
 def test_resume_continues_a_crashed_run_to_the_uninterrupted_result(reference, tmp_path):
     with pytest.raises(Crash):
-        fedguide.run(RAW, ["method.name=fedprox", "method.mu=0.5"], out=tmp_path / "r", log=crash_after(1))
+        fedguide.run(RAW, ["method.name=fedprox", "method.mu=0.5"], out=tmp_path / "r", log=crash_after(2))  # the header, round 1
     assert not (tmp_path / "r" / "summary.json").exists()
     lines = []
     resumed = fedguide.resume(tmp_path / "r", log=lines.append)
@@ -77,7 +77,8 @@ def test_sweep_runs_every_combination_once(tmp_path):
     again = fedguide.sweep(RAW, ["method.name=[fedavg, fedprox]"], ["train.rounds=1"], out=tmp_path, log=lines.append)
     assert [r.summary for r in again] == [r.summary for r in records]
     assert [(r.path / "summary.json").stat().st_mtime_ns for r in again] == stamps
-    assert lines == ["method.name=fedavg: finished before, skipped", "method.name=fedprox: finished before, skipped"]
+    assert lines == [f"[1/2] method.name=fedavg: finished before, skipped -> {tmp_path / 'name=fedavg'}",
+                     f"[2/2] method.name=fedprox: finished before, skipped -> {tmp_path / 'name=fedprox'}"]
 
 
 def test_write_report_takes_records(reference, tmp_path):

@@ -95,7 +95,8 @@ BELOW = {
                           "fedguide.models"},
     "fedguide.methods": {"fedguide.core", "fedguide.registry", "fedguide.config", "fedguide.data",
                          "fedguide.models", "fedguide.guidance"},
-    "fedguide.report": {"fedguide.core", "fedguide.registry", "fedguide.config"},
+    # A report reads run folders through the one module that knows what a run folder holds.
+    "fedguide.report": {"fedguide.core", "fedguide.registry", "fedguide.config", "fedguide.fl.run_folder"},
 }
 
 

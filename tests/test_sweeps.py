@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fedguide.registry import ConfigError
-from fedguide.sweeps import grid, parse_axis, plan, run_state
+from fedguide.fl.run_folder import RunFolder
+from fedguide.sweeps import grid, parse_axis, plan
 from tests.tiny import run_tiny, tiny_config, tiny_raw
 
 
@@ -66,16 +67,16 @@ def test_the_plan_resolves_each_combination_and_reads_its_folder(tmp_path):
     assert runs[0].run_dir == tmp_path / "mapping=[16]" and runs[0].partition_summary["num_clients"] == 4
 
 
-def test_run_state_tells_finished_unfinished_and_other_settings_apart(tmp_path):
+def test_the_run_folder_tells_finished_unfinished_and_other_settings_apart(tmp_path):
     cfg = tiny_config(train={"rounds": 2})
     _, _, run_dir = run_tiny(tmp_path, cfg)
     resolved = plan(tiny_raw(train={"rounds": 2}), [], grid([parse_axis("seed=[1]")]), tmp_path)[0].config
-    assert run_state(tmp_path / "elsewhere", resolved) == "new"
-    assert run_state(run_dir, resolved) == "finished"
-    assert run_state(run_dir, resolved.model_copy(update={"train": resolved.train.model_copy(update={"rounds": 3})})) \
+    assert RunFolder(tmp_path / "elsewhere").state_for(resolved) == "new"
+    assert RunFolder(run_dir).state_for(resolved) == "finished"
+    assert RunFolder(run_dir).state_for(resolved.model_copy(update={"train": resolved.train.model_copy(update={"rounds": 3})})) \
         == "unfinished"  # rounds raised: the run continues
     (run_dir / "summary.json").unlink()
-    assert run_state(run_dir, resolved) == "unfinished"
+    assert RunFolder(run_dir).state_for(resolved) == "unfinished"
     other = resolved.model_copy(update={"train": resolved.train.model_copy(update={"lr": 0.5})})
     with pytest.raises(ConfigError, match=r"holds a run of other settings:\n  train.lr: 0.05 \(run folder\) vs 0.5"):
-        run_state(run_dir, other)
+        RunFolder(run_dir).state_for(other)

@@ -16,13 +16,13 @@ Runs return the run folder's ``RunRecord`` (``fedguide.report``): ``path``, ``co
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
-import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from fedguide.config import Config, apply_overrides, build_config, load_raw
 from fedguide.registry import ConfigError
@@ -31,8 +31,8 @@ from fedguide.report import ReportResult, RunRecord, load_run, report, results_t
 ConfigLike = Union[str, Path, Mapping[str, Any], Config]
 Overrides = Union[Sequence[Union[str, tuple[str, Any]]], Mapping[str, Any]]
 
-__all__ = ["ConfigError", "RunRecord", "load", "load_run", "results_table", "resume", "run", "sweep",
-           "write_report"]
+__all__ = ["ConfigError", "Interrupted", "Observer", "RunRecord", "dry_run", "load", "load_run", "results_table",
+           "resume", "run", "sweep", "write_report"]
 
 
 def _raw(config: ConfigLike) -> tuple[dict[str, Any], str]:
@@ -58,8 +58,41 @@ def _overrides(overrides: Optional[Overrides]) -> list[Union[str, tuple[str, Any
     return list(overrides)
 
 
-def _logger(quiet: bool, log: Optional[Callable[[str], None]]) -> Callable[[str], None]:
-    return (lambda s: None) if quiet else (log or print)
+class Observer:
+    """What a run reports while it goes: its own lines (the header, sweep steps, the final line) to ``log``;
+    the engine's lines (each round, resume notes) to ``rounds`` (default: ``log``); and its rounds to the
+    display ``progress()`` returns, one per run (a ``rich.progress.Progress`` or anything with ``add_task``
+    and ``update``, entered around the run when it is a context manager)."""
+
+    def __init__(self, log: Callable[[str], None] = print, progress: Optional[Callable[[], Any]] = None,
+                 rounds: Optional[Callable[[str], None]] = None):
+        self.log = log
+        self.rounds = rounds or log
+        self.progress = progress
+
+    @contextlib.contextmanager
+    def showing(self) -> Iterator[Any]:
+        """The run's progress display (None without one), shown while the block runs."""
+        display = self.progress() if self.progress is not None else None
+        if display is not None and hasattr(display, "__enter__"):
+            with display:
+                yield display
+        else:
+            yield display
+
+
+def _observer(quiet: bool, log: Optional[Callable[[str], None]], observer: Optional[Observer]) -> Observer:
+    if observer is not None:
+        return observer
+    return Observer((lambda s: None) if quiet else (log or print))
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C or SIGTERM; ``hint`` says how to go on from where it stopped."""
+
+    def __init__(self, hint: str):
+        super().__init__(hint)
+        self.hint = hint
 
 
 def load(config: ConfigLike, overrides: Optional[Overrides] = None) -> Config:
@@ -73,59 +106,101 @@ def default_run_dir(stem: str, method: str, seed: int) -> Path:
     return Path("runs") / f"{stem}-{method}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def check_writable(run_dir: Path) -> None:
-    """The run folder exists (made here) and takes files, or a sentence says why not."""
+def final_line(summary: dict[str, Any], run_dir: Path) -> str:
+    return (f"final accuracy {100 * summary['final_accuracy']:.2f}%  (best {100 * summary['best_accuracy']:.2f}% at "
+            f"round {summary['best_round']})  {summary['wall_seconds']:.0f} s  -> {run_dir}")
+
+
+def _execute(prepared: Any, folder: Any, resume: bool, observer: Observer, hint: Optional[str] = None) -> dict:
+    """Run or resume ``prepared`` in ``folder``; an interruption or a crashed worker says how to go on
+    (``hint``: instead of continuing this folder, e.g. a sweep's)."""
+    from fedguide.fl.engine import Experiment
+    from fedguide.fl.runtimes.base import WorkerCrashed
+
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=run_dir):
-            pass
-    except OSError as err:
-        raise ConfigError(f"cannot write the run folder {run_dir}: {err.strerror or err} "
-                          f"({err.filename or run_dir}); choose another --out, a folder you can write to") from None
+        with observer.showing() as display:
+            return Experiment(prepared, folder.path, log=observer.rounds, progress=display).run(resume=resume)
+    except KeyboardInterrupt:
+        raise Interrupted(hint or folder.continue_hint()) from None
+    except WorkerCrashed as err:
+        raise WorkerCrashed(f"{err}\n{hint or folder.continue_hint()}") from None
+
+
+def _grid(axes: Union[Mapping[str, Any], Sequence[str], str]) -> list[Any]:
+    from fedguide.sweeps import axis, grid, parse_axis
+
+    if isinstance(axes, str):
+        axes = [axes]
+    if isinstance(axes, Mapping):
+        return grid([parse_axis(f"{k}={v}") if isinstance(v, str) else axis(str(k), list(v)) for k, v in axes.items()])
+    return grid([parse_axis(a) for a in axes])
+
+
+def dry_run(config: ConfigLike, overrides: Optional[Overrides] = None,
+            axes: Union[Mapping[str, Any], Sequence[str], None] = None) -> str:
+    """What ``fedguide run --dry-run`` prints: the resolved config (every default written out) and the partition
+    summary, of each sweep combination when ``axes`` are given, after every check a real run makes first."""
+    from fedguide.config import to_yaml
+    from fedguide.fl.preflight import check
+    from fedguide.sweeps import dry_run_text, plan
+
+    raw, stem = _raw(config)
+    if axes:
+        return dry_run_text(plan(raw, _overrides(overrides), _grid(axes), Path("runs") / stem))
+    prepared = check(build_config(apply_overrides(raw, _overrides(overrides))))
+    return to_yaml(prepared.config) + "partition summary: " + json.dumps(prepared.data.summary()) + "\n"
 
 
 def run(config: ConfigLike, overrides: Optional[Overrides] = None, out: Union[str, Path, None] = None, *,
-        quiet: bool = False, log: Optional[Callable[[str], None]] = None) -> RunRecord:
+        quiet: bool = False, log: Optional[Callable[[str], None]] = None,
+        observer: Optional[Observer] = None) -> RunRecord:
     """Run one experiment into ``out`` (a new folder; default ``runs/<stem>-<method>-s<seed>-<time>``) and
-    return its record. ``quiet`` silences the per-round lines (printed, or passed to ``log``)."""
-    from fedguide.fl.engine import Experiment, check_fresh
-    from fedguide.fl.runtimes.base import RUNTIMES
-    from fedguide.fl.setup import prepare
+    return its record. Its lines go to ``observer`` (default: printed; ``log``: to that function instead;
+    ``quiet``: nowhere). Ctrl-C raises ``Interrupted``, whose ``hint`` says how to continue."""
+    from fedguide.fl.preflight import check, refuse_runtime
+    from fedguide.fl.run_folder import RunFolder
 
     raw, stem = _raw(config)
-    prepared = prepare(build_config(apply_overrides(raw, _overrides(overrides))))
+    # The method is built by the run itself, before anything is written.
+    prepared = check(build_config(apply_overrides(raw, _overrides(overrides))), build_method=False)
     cfg = prepared.config
-    run_dir = Path(out) if out is not None else default_run_dir(stem, cfg.method.name, cfg.seed)
-    refusal = RUNTIMES.get(cfg.runtime.name).obj.refuses(run_dir, resume=False)
-    if refusal:
-        raise ConfigError(refusal)
-    check_fresh(run_dir)
-    check_writable(run_dir)
-    Experiment(prepared, run_dir, log=_logger(quiet, log)).run()
-    return load_run(run_dir)
+    folder = RunFolder(Path(out) if out is not None else default_run_dir(stem, cfg.method.name, cfg.seed))
+    refuse_runtime(cfg, folder.path, resume=False)
+    folder.check_fresh()  # checked again under the run folder's lock
+    folder.check_writable()
+    say = _observer(quiet, log, observer)
+    say.log(f"{cfg.method.name} on {cfg.data.name}, {cfg.partition.name}, {prepared.data.num_clients} clients, "
+            f"seed {cfg.seed} -> {folder.path}")
+    summary = _execute(prepared, folder, False, say)
+    say.log(final_line(summary, folder.path))
+    return load_run(folder.path)
 
 
-def resume(run_dir: Union[str, Path], *, quiet: bool = False, log: Optional[Callable[[str], None]] = None) -> RunRecord:
-    """Continue an interrupted run from its last checkpoint (a finished one is returned as it is)."""
-    from fedguide.fl.engine import Experiment
-    from fedguide.fl.runtimes.base import RUNTIMES
-    from fedguide.fl.setup import load_run_config, prepare
+def resume(run_dir: Union[str, Path], *, device: Optional[str] = None, quiet: bool = False,
+           log: Optional[Callable[[str], None]] = None, observer: Optional[Observer] = None) -> RunRecord:
+    """Continue an interrupted run from its last checkpoint (a finished one is returned as it is).
+    ``device``: continue on this device instead of the run's ``train.device`` (where a run computes is not
+    part of what it is)."""
+    from fedguide.fl.preflight import check
+    from fedguide.fl.run_folder import RunFolder
 
-    run_dir = Path(run_dir)
-    cfg = load_run_config(run_dir)
-    done = run_dir / "summary.json"
-    if done.is_file() and json.loads(done.read_text()).get("rounds", 0) >= cfg.train.rounds:
-        return load_run(run_dir)
-    refusal = RUNTIMES.get(cfg.runtime.name).obj.refuses(run_dir, resume=True)
-    if refusal:
-        raise ConfigError(refusal)
-    Experiment(prepare(cfg), run_dir, log=_logger(quiet, log)).run(resume=True)
-    return load_run(run_dir)
+    folder = RunFolder(run_dir)
+    cfg = folder.read_config()
+    if device is not None:
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"device": device})})
+    say = _observer(quiet, log, observer)
+    if folder.finished(cfg.train.rounds):
+        say.log(f"{folder.path} is already complete (summary.json exists); nothing to resume")
+        return load_run(folder.path)
+    prepared = check(cfg, folder.path, resume=True, build_method=False)
+    summary = _execute(prepared, folder, True, say)
+    say.log(final_line(summary, folder.path))
+    return load_run(folder.path)
 
 
 def sweep(config: ConfigLike, axes: Union[Mapping[str, Any], Sequence[str]], overrides: Optional[Overrides] = None,
           out: Union[str, Path, None] = None, *, quiet: bool = False,
-          log: Optional[Callable[[str], None]] = None) -> list[RunRecord]:
+          log: Optional[Callable[[str], None]] = None, observer: Optional[Observer] = None) -> list[RunRecord]:
     """Run every combination of ``axes`` into ``out/<folder per combination>`` and return their records.
 
     ``axes``: ``{"method.name": ["fedavg", "fedprox"], "seed": [0, 1]}`` or the command line's
@@ -133,30 +208,29 @@ def sweep(config: ConfigLike, axes: Union[Mapping[str, Any], Sequence[str]], ove
     (a ConfigError names each invalid one); called again with the same ``out``, finished runs are
     skipped and unfinished ones continued. A run that diverges is recorded as such (a RuntimeWarning
     says so) and the others go on."""
-    from fedguide.fl.engine import Experiment
+    from fedguide.fl.run_folder import RunFolder
     from fedguide.fl.setup import prepare
-    from fedguide.sweeps import axis, grid, parse_axis, plan
+    from fedguide.sweeps import plan
 
-    if isinstance(axes, str):
-        axes = [axes]
-    if isinstance(axes, Mapping):
-        parsed = [parse_axis(f"{k}={v}") if isinstance(v, str) else axis(str(k), list(v)) for k, v in axes.items()]
-    else:
-        parsed = [parse_axis(a) for a in axes]
     raw, stem = _raw(config)
     parent = Path(out) if out is not None else Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    say = _logger(quiet, log)
-    runs = plan(raw, _overrides(overrides), grid(parsed), parent)
-    for r in runs:
+    say = _observer(quiet, log, observer)
+    runs = plan(raw, _overrides(overrides), _grid(axes), parent)
+    again = "run it again with the same --out" if out is not None else f"run it again with --out {parent}"
+    for i, r in enumerate(runs, 1):
+        head = f"[{i}/{len(runs)}] {r.combination.label}"
         if r.state in ("finished", "stopped"):
-            say(f"{r.combination.label}: {'finished' if r.state == 'finished' else 'diverged'} before, skipped")
+            say.log(f"{head}: {'finished' if r.state == 'finished' else 'diverged'} before, skipped -> {r.run_dir}")
             continue
-        check_writable(r.run_dir)
-        say(f"{r.combination.label}: {'continuing' if r.state == 'unfinished' else 'starting'} -> {r.run_dir}")
+        folder = RunFolder(r.run_dir)
+        folder.check_writable()
+        say.log(f"{head}: {'continuing' if r.state == 'unfinished' else 'starting'} -> {r.run_dir}")
         try:
-            Experiment(prepare(r.config), r.run_dir, log=say).run(resume=r.state == "unfinished")
+            summary = _execute(prepare(r.config), folder, r.state == "unfinished", say, hint=f"continue the sweep: {again}")
         except FloatingPointError as err:  # stopped.json records it; the record's status says diverged
             warnings.warn(f"{r.combination.label}: {err}", RuntimeWarning, stacklevel=2)
+            continue
+        say.log(f"{head}: {final_line(summary, r.run_dir)}")
     return [load_run(r.run_dir) for r in runs]
 
 

@@ -5,8 +5,7 @@ import argparse
 import json
 import signal
 import sys
-import tempfile
-import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -36,144 +35,72 @@ def _progress(console, quiet: bool):
                     TimeRemainingColumn(), console=console, transient=True)
 
 
-def _default_run_dir(config_path: Path, method: str, seed: int) -> Path:
-    return Path("runs") / f"{config_path.stem}-{method}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+def _observer(console, quiet: bool):
+    from fedguide.api import Observer
 
+    # Lines are printed as they are (a config value in brackets is not rich markup); --quiet keeps the run's
+    # own lines (what ran where, how it ended) and drops the rounds'.
+    def say(line: str) -> None:
+        console.print(line, markup=False)
 
-def _check_fresh(run_dir: Path) -> None:
-    from fedguide.fl.engine import check_fresh  # checked again under the run folder's lock
-
-    check_fresh(run_dir)
-
-
-def _run_one(config_path: Path, overrides: list[str], run_dir: Optional[Path], dry_run: bool, quiet: bool, console):
-    from fedguide.config import load_config, to_yaml
-    from fedguide.fl.loggers import check_available
-    from fedguide.fl.setup import open_run, prepare
-
-    prepared = prepare(load_config(config_path, overrides))
-    cfg = prepared.config
-    check_available(cfg.logging)  # a missing logger package is named by --dry-run too, before any folder exists
-    refusal = RUNTIMES.get(cfg.runtime.name).obj.refuses(run_dir, resume=False)
-    if refusal and not dry_run:
-        raise ConfigError(refusal)
-    if dry_run:
-        with tempfile.TemporaryDirectory() as scratch:
-            open_run(prepared, Path(scratch))  # what building the method and its regularisers refuses
-        print(to_yaml(cfg), end="")
-        print("partition summary: " + json.dumps(prepared.data.summary()))
-        return None
-    run_dir = run_dir or _default_run_dir(config_path, cfg.method.name, cfg.seed)
-    _check_fresh(run_dir)
-    _check_writable(run_dir)
-    console.print(f"[bold]{cfg.method.name}[/] on {cfg.data.name}, {cfg.partition.name}, "
-                  f"{prepared.data.num_clients} clients, seed {cfg.seed} -> {run_dir}")
-    summary = _execute(prepared, run_dir, False, quiet, console)
-    console.print(f"final accuracy {100 * summary['final_accuracy']:.2f}%  "
-                  f"(best {100 * summary['best_accuracy']:.2f}% at round {summary['best_round']})  "
-                  f"{summary['wall_seconds']:.0f} s  -> {run_dir}")
-    return run_dir
-
-
-def _execute(prepared, run_dir: Path, resume: bool, quiet: bool, console, again: Optional[str] = None) -> dict:
-    """Run or resume with progress; an interruption or a crashed worker says how to continue (``again``:
-    instead of resuming this run folder)."""
-    from fedguide.fl.engine import Experiment
-
-    progress = _progress(console, quiet)
-    exp = Experiment(prepared, run_dir, log=(lambda s: None) if quiet else console.print, progress=progress)
-    try:
-        if progress:
-            with progress:
-                return exp.run(resume=resume)
-        return exp.run(resume=resume)
-    except KeyboardInterrupt:
-        console.print(f"interrupted; {again or f'continue with: fedguide resume {run_dir}'}")
-        raise SystemExit(130)
-    except WorkerCrashed as err:
-        raise WorkerCrashed(f"{err}\n{again or f'continue with: fedguide resume {run_dir}'}") from None
-
-
-def _check_writable(run_dir: Path) -> None:
-    from fedguide.api import check_writable
-
-    check_writable(run_dir)
+    return Observer(say, lambda: _progress(console, quiet), rounds=(lambda s: None) if quiet else say)
 
 
 def cmd_run(args) -> int:
-    console = _console()
+    import fedguide.api as api
+
     if args.rebuild:
         args.overrides = list(args.overrides) + ["guidance.rebuild=true"]
     if args.reuse_synthetic:
         args.overrides = list(args.overrides) + [f"method.reuse_synthetic={args.reuse_synthetic}"]
-    if args.sweep:
-        return _run_sweep(args, console)
-    _run_one(args.config, args.overrides, args.out, args.dry_run, args.quiet, console)
-    return 0
-
-
-def _run_sweep(args, console) -> int:
-    """Every combination checked first (none runs if one is invalid); then each run started, continued
-    (unfinished) or skipped (finished, or diverged before), and the comparison table."""
-    from fedguide.config import load_raw
-    from fedguide.fl.setup import prepare
-    from fedguide.sweeps import dry_run_text, grid, parse_axis, plan
-
-    combos = grid([parse_axis(s) for s in args.sweep])
-    parent = args.out or Path("runs") / f"{args.config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    runs = plan(load_raw(args.config), args.overrides, combos, parent)
     if args.dry_run:
-        print(dry_run_text(runs), end="")
+        print(api.dry_run(args.config, args.overrides, args.sweep), end="")
         return 0
-    again = f"run the same command with --out {parent}" if args.out is None else "run the same command again"
-    diverged = []
-    for i, r in enumerate(runs, 1):
-        head = f"[{i}/{len(runs)}] {r.combination.label}"
-        if r.state in ("finished", "stopped"):
-            console.print(f"{head}: {'finished' if r.state == 'finished' else 'diverged'} before, skipped -> {r.run_dir}")
-            continue
-        _check_writable(r.run_dir)
-        console.print(f"{head}: {'continuing' if r.state == 'unfinished' else 'starting'} -> {r.run_dir}")
-        try:
-            summary = _execute(prepare(r.config), r.run_dir, r.state == "unfinished", args.quiet, console,
-                               again=f"continue the sweep: {again}")
-        except FloatingPointError as err:  # recorded in the run folder (stopped.json); the other runs go on
-            print(f"error: {err}", file=sys.stderr)
-            diverged.append(r.combination.label)
-            continue
-        console.print(f"{head}: final accuracy {100 * summary['final_accuracy']:.2f}%  "
-                      f"(best {100 * summary['best_accuracy']:.2f}% at round {summary['best_round']})  "
-                      f"{summary['wall_seconds']:.0f} s")
-    if len(runs) > 1:
-        _print_report([r.run_dir for r in runs], None, console)
+    console = _console()
+    if not args.sweep:
+        _interruptible(console, lambda: api.run(args.config, args.overrides, args.out,
+                                                observer=_observer(console, args.quiet)))
+        return 0
+    with warnings.catch_warnings(record=True) as caught:  # a diverged run is an error line, the others go on
+        warnings.simplefilter("always", RuntimeWarning)
+        records = _interruptible(console, lambda: api.sweep(args.config, args.sweep, args.overrides, args.out,
+                                                            observer=_observer(console, args.quiet)))
+    diverged = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    for w in diverged:
+        print(f"error: {w.message}", file=sys.stderr)
+    if len(records) > 1:
+        _print_report([r.path for r in records], None, console)
     if diverged:
-        print(f"error: {len(diverged)} of {len(runs)} runs diverged: {'; '.join(diverged)}", file=sys.stderr)
+        labels = "; ".join(str(w.message).split(":", 1)[0] for w in diverged)
+        print(f"error: {len(diverged)} of {len(records)} runs diverged: {labels}", file=sys.stderr)
         return 2
     return 0
 
 
+def _interruptible(console, call):
+    """``call()``; an interruption prints how to go on and exits 130."""
+    from fedguide.api import Interrupted
+
+    try:
+        return call()
+    except Interrupted as stop:
+        console.print(f"interrupted; {stop.hint}", markup=False)
+        raise SystemExit(130)
+
+
 def cmd_resume(args) -> int:
-    from fedguide.fl.setup import load_run_config, prepare
+    import fedguide.api as api
 
     console = _console()
-    run_dir = args.run_dir
-    cfg = load_run_config(run_dir)
-    if args.device is not None:  # where it computes is not pinned: a GPU run may continue on a CPU
-        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"device": args.device})})
-    done = run_dir / "summary.json"
-    if done.exists() and json.loads(done.read_text()).get("rounds", 0) >= cfg.train.rounds:
-        console.print(f"{run_dir} is already complete (summary.json exists); nothing to resume")
-        return 0
-    refusal = RUNTIMES.get(cfg.runtime.name).obj.refuses(run_dir, resume=True)
-    if refusal:
-        raise ConfigError(refusal)
-    summary = _execute(prepare(cfg), run_dir, True, args.quiet, console)
-    console.print(f"final accuracy {100 * summary['final_accuracy']:.2f}%  -> {run_dir}")
+    _interruptible(console, lambda: api.resume(args.run_dir, device=args.device,
+                                               observer=_observer(console, args.quiet)))
     return 0
 
 
 def cmd_serve(args) -> int:
+    from fedguide.api import default_run_dir
     from fedguide.config import load_config
+    from fedguide.fl.run_folder import RunFolder
     from fedguide.fl.flower.deploy import serve
     from fedguide.fl.setup import resolve
 
@@ -188,8 +115,8 @@ def cmd_serve(args) -> int:
         cfg = None
     else:
         cfg, _ = resolve(load_config(args.target, args.overrides))  # config errors before any process starts
-        run_dir = args.out or _default_run_dir(args.target, cfg.method.name, cfg.seed)
-        _check_fresh(run_dir)
+        run_dir = args.out or default_run_dir(args.target.stem, cfg.method.name, cfg.seed)
+        RunFolder(run_dir).check_fresh()
     log = (lambda s: None) if args.quiet else (lambda s: console.print(s, markup=False))  # Flower's text, verbatim
     try:
         summary = serve(run_dir, cfg, resume=args.resume, host=args.host, log=log, insecure=args.insecure)

@@ -12,15 +12,17 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import yaml
 
-from fedguide.config import Config, apply_overrides, build_config, config_differences, parse_value, to_yaml
+from fedguide.config import Config, apply_overrides, build_config, parse_value, to_yaml
 from fedguide.registry import ConfigError
+
+if TYPE_CHECKING:
+    from fedguide.fl.run_folder import State
 
 # Characters a folder name cannot hold on some system (or that would make a sub-folder).
 _UNSAFE = re.compile(r'[/\\:*?"<>|\s\x00-\x1f]')
@@ -132,43 +134,13 @@ def grid(axes: Sequence[Axis]) -> list[Combination]:
     return combos
 
 
-State = Literal["new", "unfinished", "finished", "stopped"]
-
-
 @dataclass
 class PlannedRun:
     combination: Combination
     config: Config  # resolved: every default written out
     run_dir: Path
-    state: State  # new; unfinished (resumed); finished or stopped (diverged: resuming would diverge again), skipped
+    state: "State"  # new; unfinished (resumed); finished or stopped (diverged: resuming would diverge again), skipped
     partition_summary: dict[str, Any]
-
-
-def run_state(run_dir: Path, cfg: Config) -> State:
-    """What ``run_dir`` holds for a run of ``cfg``; a ConfigError if it holds a run of other settings
-    (only ``train.rounds`` may differ: raised, the run continues; lowered, it counts as finished)."""
-    if not ((run_dir / "config.yaml").is_file() or (run_dir / "checkpoints").exists()):
-        return "new"
-    if (run_dir / "config.yaml").is_file():
-        from fedguide.fl.engine import pinned_config
-
-        try:
-            held = pinned_config(build_config(yaml.safe_load((run_dir / "config.yaml").read_text()) or {}))
-        except (ConfigError, yaml.YAMLError) as err:
-            raise ConfigError(f"{run_dir} holds a run whose config.yaml cannot be read ({err}); choose another --out") \
-                from None
-        wanted = pinned_config(cfg)
-        wanted["train"]["rounds"] = held["train"]["rounds"]
-        diff = config_differences(held, wanted, ("run folder", "this sweep"))
-        if diff:
-            raise ConfigError(f"{run_dir} holds a run of other settings:\n  " + "\n  ".join(diff)
-                              + "\nrun the sweep with the settings it was started with, or choose another --out")
-    summary = run_dir / "summary.json"
-    if summary.is_file() and json.loads(summary.read_text()).get("rounds", 0) >= cfg.train.rounds:
-        return "finished"
-    if (run_dir / "stopped.json").is_file():
-        return "stopped"
-    return "unfinished"
 
 
 def plan(raw: dict[str, Any], overrides: Sequence[Union[str, tuple[str, Any]]], combos: Sequence[Combination],
@@ -176,23 +148,18 @@ def plan(raw: dict[str, Any], overrides: Sequence[Union[str, tuple[str, Any]]], 
     """Resolve and prepare every combination (data, partition, model, method, regularisers, runtime)
     and read its run folder; a ConfigError names every invalid combination with its error, before
     anything runs or any folder is written."""
-    from fedguide.fl.loggers import check_available
-    from fedguide.fl.runtimes.base import RUNTIMES
-    from fedguide.fl.setup import open_run, prepare
+    from fedguide.fl.preflight import check, refuse_runtime
+    from fedguide.fl.run_folder import RunFolder
 
     planned, errors = [], []
     for combo in combos:
         try:
-            prepared = prepare(build_config(apply_overrides(raw, [*overrides, *combo.overrides])))
-            check_available(prepared.config.logging)
-            with tempfile.TemporaryDirectory() as scratch:
-                open_run(prepared, Path(scratch))  # what building the method and its regularisers refuses
-            run_dir = Path(parent) / combo.folder
-            state = run_state(run_dir, prepared.config)
-            refusal = RUNTIMES.get(prepared.config.runtime.name).obj.refuses(run_dir, resume=state != "new")
-            if refusal:
-                raise ConfigError(refusal)
-            planned.append(PlannedRun(combo, prepared.config, run_dir, state, prepared.data.summary()))
+            cfg = build_config(apply_overrides(raw, [*overrides, *combo.overrides]))
+            folder = RunFolder(Path(parent) / combo.folder)
+            prepared = check(cfg)
+            state = folder.state_for(prepared.config)
+            refuse_runtime(prepared.config, folder.path, resume=state != "new")
+            planned.append(PlannedRun(combo, prepared.config, folder.path, state, prepared.data.summary()))
         except ValueError as err:  # ConfigError and what building a model or method refuses
             errors.append(f"{combo.label}: {err}")
     if errors:

@@ -143,9 +143,9 @@ def test_a_sweep_run_again_skips_finished_runs_and_continues_the_unfinished_one(
     cfg = tiny_config(tmp_path / "cfg.yaml", train={"rounds": 3, "epochs": 1})
     parent = tmp_path / "sweep"
     # Stopped during seed=1's second round: seed=0 finished, seed=1 has round 1 on disk (log lines:
-    # seed=0 starting, 3 rounds, seed=1 starting, round 1).
+    # seed=0 starting, 3 rounds, its final line, seed=1 starting, round 1).
     with pytest.raises(Crash):
-        fedguide.sweep(cfg, ["seed=0,1"], out=parent, log=crash_after(6))
+        fedguide.sweep(cfg, ["seed=0,1"], out=parent, log=crash_after(7))
     finished = (parent / "seed=0" / "summary.json").read_bytes()
     assert not (parent / "seed=1" / "summary.json").exists() and len(metrics(parent / "seed=1")) == 1
 

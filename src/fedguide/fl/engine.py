@@ -6,22 +6,14 @@ The engine knows the Method and Executor interfaces, never a method's or a runti
 """
 from __future__ import annotations
 
-import copy
-import json
 import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
-
-import fedguide
-from fedguide.config import Config, config_differences, flat_keys, to_yaml
-from fedguide.core.atomic import remove_stale_temporaries, write_atomic, write_json, write_jsonl, write_text
+from fedguide.config import Config
 from fedguide.core import simulated
 from fedguide.core.device import device_rules, deterministic, resolve_device, to_device
 from fedguide.core.records import record_bytes
@@ -29,7 +21,7 @@ from fedguide.core.seeding import sample_clients
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedguide.fl.evaluation import personal_summary, personal_test_record, round_evaluation
 from fedguide.fl.loggers import MetricLoggers, check_available, open_loggers
-from fedguide.fl.run_lock import RunLock
+from fedguide.fl.run_folder import RunFolder, pinned_config
 from fedguide.fl.runtimes.base import Executor, RunHandle, Runtime, runtime_of
 from fedguide.data.device_data import SHARED_DECISION
 from fedguide.fl.setup import Prepared, client_processes_on_device, open_run
@@ -40,62 +32,9 @@ from fedguide.registry import ConfigError
 TIMING_METRICS = frozenset({"seconds", "train_seconds", "aggregate_seconds", "eval_seconds", "client_fit_seconds"})
 
 
-def check_fresh(run_dir: Path) -> None:
-    if (run_dir / "config.yaml").exists() or (run_dir / "checkpoints").exists():
-        raise ConfigError(f"{run_dir} already holds a run; continue it with 'fedguide resume {run_dir}' "
-                          "or choose another --out")
-
-
-# Where a run computes is not part of what it is: a run started on a GPU may resume on a CPU (the same
-# metrics up to float rounding) and the other way round.
-# Nor are the feature cache's folder, a --rebuild of it, and how the summary condenses the curve (report:).
-UNPINNED = (("train", "device"), ("data", "on_device"), ("guidance", "device"), ("guidance", "rebuild"),
-            ("guidance", "feature_cache"))
-
-
-def pinned_config(cfg: Config) -> dict[str, Any]:
-    """What a checkpoint pins: the resolved config without ``meta`` (versions, commit) and the device keys."""
-    raw = cfg.model_dump(mode="json")
-    raw.pop("meta", None)
-    raw.pop("logging", None)  # how a run is watched is not what it computes: a resume may change it
-    raw.pop("report", None)
-    for section, key in UNPINNED:
-        raw.get(section, {}).pop(key, None)
-    return raw
-
-
-def unpinned_defaults(pinned: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
-    """``now`` without the keys a checkpoint written by an older fedguide lacks where they hold their
-    default (a setting added since, such as train.precision: fp32, did not change that run)."""
-    defaults = flat_keys(pinned_config(Config()))
-    old = flat_keys(pinned)
-    dropped = {k for k, v in flat_keys(now).items() if k not in old and defaults.get(k, object()) == v}
-    out = copy.deepcopy(now)
-    for key in dropped:
-        *parents, last = key.split(".")
-        node = out
-        for part in parents:
-            node = node[part]
-        node.pop(last, None)
-    return out
-
-
 def partition_label(cfg: Config) -> str:
     params = ", ".join(f"{k}={v}" for k, v in cfg.partition.params_dict().items() if k != "max_tries")
     return f"{cfg.partition.name}({params})" if params else cfg.partition.name
-
-
-def git_commit() -> Optional[str]:
-    src = Path(fedguide.__file__).resolve().parent
-    try:
-        out = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _restore_env(name: str, value: Optional[str]) -> None:
@@ -111,14 +50,15 @@ def round_line(m: dict[str, Any], rounds: int) -> str:
 
 
 class Experiment:
-    """One run: opened with ``fl.setup``, its clients trained by ``runtime`` (default: the runtime the
-    config names, from the registry)."""
+    """One run's round loop: opened with ``fl.setup``, its clients trained by ``runtime`` (default: the
+    runtime the config names, from the registry), everything it keeps written through its ``RunFolder``."""
 
     def __init__(self, prepared: Prepared, run_dir: Path, log: Callable[[str], None] = print,
                  progress: Any = None, runtime: Optional[Runtime] = None):
         self.p = prepared
         self.cfg = prepared.config
-        self.run_dir = Path(run_dir)
+        self.folder = RunFolder(run_dir)
+        self.run_dir = self.folder.path
         self.log = log
         self.progress = progress  # a rich Progress or None
         self.runtime = runtime if runtime is not None else runtime_of(prepared)
@@ -129,11 +69,8 @@ class Experiment:
         return open_run(self.p, self.run_dir)
 
     def _write_static(self) -> None:
-        cfg = self.cfg.model_copy(deep=True)
-        cfg.meta = {"version": fedguide.__version__, "git_commit": git_commit(), "torch": torch.__version__,
-                    "python": platform.python_version()}
-        write_text(self.run_dir / "config.yaml", to_yaml(cfg))
-        write_json(self.run_dir / "partition.json", self._partition_record())
+        self.folder.write_config(self.cfg)
+        self.folder.write_partition(self._partition_record())
 
     def _partition_record(self) -> dict[str, Any]:
         data = self.p.data
@@ -156,12 +93,11 @@ class Experiment:
     # ---- the loop -----------------------------------------------------------------------------
     def run(self, resume: bool = False) -> dict[str, Any]:
         """Run (or, with ``resume``, continue from its last checkpoint) holding the run folder's lock."""
-        with RunLock(self.run_dir):
+        with self.folder.lock():
             if not resume:
-                check_fresh(self.run_dir)
+                self.folder.check_fresh()
             else:
-                remove_stale_temporaries(self.run_dir)
-                (self.run_dir / "stopped.json").unlink(missing_ok=True)
+                self.folder.open_for_resume()
             with deterministic(self.cfg.train.deterministic), device_rules(resolve_device(self.cfg.train.device)):
                 return self._run(resume)
 
@@ -172,7 +108,7 @@ class Experiment:
         workers, threads = self.runtime.resources(min(self.cfg.clients.per_round, ctx.num_clients),
                                                   ctx.layout.numel, ctx.device)
         torch.set_num_threads(threads)
-        ckpt = load_checkpoint(self.run_dir / "checkpoints") if resume else None
+        ckpt = load_checkpoint(self.folder.checkpoints) if resume else None
         notes: dict[str, Any] = {}
         if ckpt is None:
             method.setup()
@@ -184,7 +120,7 @@ class Experiment:
             method.load_server_state(to_device(ckpt.method_state, ctx.device if method.on_device else "cpu"))
             global_w, metrics, start, wall0 = (ckpt.global_weights.to(ctx.device), ckpt.metrics, ckpt.round + 1,
                                                ckpt.wall_seconds)
-            write_jsonl(self.run_dir / "metrics.jsonl", metrics)
+            self.folder.write_metrics(metrics)
             self.log(f"resuming {self.run_dir} after round {ckpt.round}")
         rounds = self.cfg.train.rounds
         t_run = time.perf_counter()
@@ -213,17 +149,16 @@ class Experiment:
                     global_w, m = self._round(r, ctx, method, clients, global_w)
                 except FloatingPointError as err:
                     # Recorded in the run folder, so a report shows the run as diverged, not as running.
-                    write_json(self.run_dir / "stopped.json", {"reason": "diverged", "after_round": r - 1,
-                                                               "message": str(err)})
+                    self.folder.write_stopped({"reason": "diverged", "after_round": r - 1, "message": str(err)})
                     raise FloatingPointError(f"{err}. The run stopped after round {r - 1} (its last checkpoint), "
                                              "from which it would diverge again; to go on with other settings, "
                                              f"start a new run: fedguide run {self.run_dir / 'config.yaml'} "
                                              "--out NEW_FOLDER train.lr=<lower>") from None
                 metrics.append(m)
-                save_checkpoint(self.run_dir / "checkpoints",
+                save_checkpoint(self.folder.checkpoints,
                                 Checkpoint(r, global_w, method.server_state(), metrics,
                                            wall0 + time.perf_counter() - t_run, pinned, notes))
-                write_jsonl(self.run_dir / "metrics.jsonl", metrics)
+                self.folder.write_metrics(metrics)
                 ctx.store.commit(r)
                 ctx.server_store.commit(r)
                 loggers.log(m, metrics)
@@ -239,30 +174,12 @@ class Experiment:
                 _restore_env(SHARED_DECISION, before)
 
     def _check_resumable(self, ckpt: Checkpoint) -> dict[str, Any]:
-        """Refuse a resume whose config.yaml or data no longer describe the checkpointed run; the run's
-        notes, with ``rounds_raised_from`` when train.rounds was raised (the one change allowed)."""
-        saved = json.loads((self.run_dir / "partition.json").read_text())
-        if saved["counts"] != self._partition_record()["counts"]:
+        """Refuse a resume whose data or config.yaml no longer describe the checkpointed run; its notes."""
+        saved = self.folder.read_partition()
+        if saved is None or saved["counts"] != self._partition_record()["counts"]:
             raise ConfigError(f"{self.run_dir}: the partition rebuilt from config.yaml differs from "
                               "partition.json (the code or data changed); start a new run instead")
-        notes = dict(ckpt.notes)
-        if ckpt.config is None:  # a checkpoint written before configs were pinned
-            return notes
-        now = unpinned_defaults(ckpt.config, pinned_config(self.cfg))
-        old_rounds, new_rounds = ckpt.config["train"]["rounds"], now["train"]["rounds"]
-        same_but_rounds = {**now, "train": {**now["train"], "rounds": old_rounds}} == ckpt.config
-        if same_but_rounds and new_rounds > old_rounds:
-            self.log(f"train.rounds raised from {old_rounds} to {new_rounds}: the run continues to round {new_rounds}")
-            notes.setdefault("rounds_raised_from", old_rounds)
-            return notes
-        diff = config_differences(ckpt.config, now, ("checkpoint", "config.yaml"), limit=20)
-        if diff:
-            rule = ("train.rounds may only be raised" if same_but_rounds else
-                    "a run continues with the settings it was made with; only train.rounds may be raised")
-            raise ConfigError(f"{self.run_dir / 'config.yaml'} was edited since the run started ({rule}):\n  "
-                              + "\n  ".join(diff) + "\nundo the edit to resume, or start a new run: fedguide run "
-                              f"{self.run_dir / 'config.yaml'} --out NEW_FOLDER")
-        return notes
+        return self.folder.resume_notes(ckpt.config, self.cfg, ckpt.notes, self.log)
 
     def _round(self, r: int, ctx: RunContext, method: Method, clients: Executor, global_w: torch.Tensor):
         cfg = self.cfg
@@ -299,8 +216,7 @@ class Experiment:
     def _finish(self, ctx: RunContext, clients: Executor, global_w: torch.Tensor, metrics: list[dict],
                 wall: float, notes: dict[str, Any]) -> dict[str, Any]:
         ctx.layout.load(ctx.model, global_w)
-        state = {k: v.cpu().contiguous() for k, v in ctx.model.state_dict().items()}
-        write_atomic(self.run_dir / "model.safetensors", lambda tmp: save_file(state, tmp))
+        self.folder.write_model({k: v.cpu().contiguous() for k, v in ctx.model.state_dict().items()})
         curve = [m["accuracy"] for m in metrics]
         best = int(np.argmax(curve))
         last_k = self.cfg.report.last_k_for(len(curve))
@@ -339,5 +255,5 @@ class Experiment:
         summary.update(clients.finish(metrics))
         if simulated.current() is not None:
             summary["device_check"] = simulated.device_check_summary(self.device_counts)
-        write_json(self.run_dir / "summary.json", summary)
+        self.folder.write_summary(summary)
         return summary

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from fedguide.report.runs import CONFIG_FILE, METRICS_FILE, STOPPED_FILE, SUMMARY_FILE
+from fedguide.fl.run_folder import CONFIG_FILE, METRICS_FILE, STOPPED_FILE, SUMMARY_FILE
 
 RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, STOPPED_FILE)
 

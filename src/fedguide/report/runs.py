@@ -13,16 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-import yaml
 from pydantic import ValidationError
 
 from fedguide.config import ReportConfig
-
-CONFIG_FILE = "config.yaml"
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
-PARTITION_FILE = "partition.json"
-STOPPED_FILE = "stopped.json"  # written by the engine when a run stops for good (it diverged)
+from fedguide.fl.run_folder import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunFolder
 
 
 @dataclass
@@ -241,77 +235,20 @@ def _fmt_value(v: Any) -> str:
     return str(v)
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
-
-
-def _read_metrics(path: Path, running: bool, warnings: list[str]) -> list[dict[str, Any]]:
-    lines = path.read_text(encoding="utf-8").splitlines()
-    rows: list[dict[str, Any]] = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            # The engine may be mid-write on the last line of a live run; that is not damage, but say so.
-            if running and lineno == len(lines):
-                warnings.append(f"{path}:{lineno}: skipped a line that is not valid JSON ({err}); the run may "
-                                "be writing it now")
-                break
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({err})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
-        rows.append(row)
-    return rows
-
-
 def load_run(path: str | Path) -> RunRecord:
     """Load one run directory; raises ValueError if ``path`` is not one."""
-    path = Path(path)
-    metrics_path, summary_path = path / METRICS_FILE, path / SUMMARY_FILE
-    # config.yaml alone is a run that has not finished its first round yet: listed as incomplete.
-    written = (path / CONFIG_FILE, metrics_path, summary_path, path / STOPPED_FILE)
-    if not path.is_dir() or not any(p.is_file() for p in written):
-        what = "is not a directory" if not path.is_dir() else f"has no {CONFIG_FILE}, {METRICS_FILE} or {SUMMARY_FILE}"
-        raise ValueError(
-            f"{path} is not a run directory: it {what} "
-            f"(pass a run folder written by fedguide, or a folder holding run folders)"
-        )
-
-    config: dict[str, Any] = {}
-    config_path = path / CONFIG_FILE
-    if config_path.is_file():
-        try:
-            loaded = yaml.safe_load(config_path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as err:
-            raise ValueError(f"{config_path}: not valid YAML ({err})") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"{config_path}: expected a YAML mapping, got {type(loaded).__name__}")
-        config = loaded or {}
-
-    summary = None
-    if summary_path.is_file():
-        summary = _read_json(summary_path)
-        if not isinstance(summary, dict):
-            raise ValueError(f"{summary_path}: expected a JSON object, got {type(summary).__name__}")
-
+    folder = RunFolder(path)
+    if not folder.path.is_dir() or not folder.written():
+        what = ("is not a directory" if not folder.path.is_dir()
+                else f"has no {CONFIG_FILE}, {METRICS_FILE} or {SUMMARY_FILE}")
+        raise ValueError(f"{folder.path} is not a run directory: it {what} "
+                         "(pass a run folder written by fedguide, or a folder holding run folders)")
+    summary = folder.read_summary()
     warnings: list[str] = []
-    metrics = _read_metrics(metrics_path, summary is None, warnings) if metrics_path.is_file() else []
-    stopped = _read_json(path / STOPPED_FILE) if summary is None and (path / STOPPED_FILE).is_file() else None
-
-    partition = None
-    partition_path = path / PARTITION_FILE
-    if partition_path.is_file():
-        partition = _read_json(partition_path)
-        if not isinstance(partition, dict) or not isinstance(partition.get("counts"), list):
-            raise ValueError(f"{partition_path}: expected an object with a 'counts' list (clients x classes)")
-
-    return RunRecord(path=path, config=config, summary=summary, metrics=metrics, partition=partition,
-                     stopped=stopped, warnings=warnings)
+    metrics = folder.read_metrics(running=summary is None, warnings=warnings)
+    return RunRecord(path=folder.path, config=folder.read_config_mapping(), summary=summary, metrics=metrics,
+                     partition=folder.read_partition(), stopped=folder.read_stopped() if summary is None else None,
+                     warnings=warnings)
 
 
 def as_records(runs: Iterable[RunRecord | str | Path]) -> list[RunRecord]:

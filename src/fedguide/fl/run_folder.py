@@ -1,0 +1,332 @@
+"""A run folder: what it holds, what state it is in, and the one place that writes it.
+
+    config.yaml      the resolved config (every default written out) with ``meta``: versions, commit
+    partition.json   the clients' class (and domain) counts, the public pool, the scored test subset
+    metrics.jsonl    one line per committed round
+    checkpoints/     the last round's global weights, server state, metrics and pinned config
+    client_state/, server_state/   per-client state, committed with each round
+    model.safetensors, summary.json   written when the last round is done
+    stopped.json     written when a run stops for good (it diverged)
+    .lock            held by the process running the folder (``fl/run_lock.py``)
+
+A folder is ``new`` (nothing of a run in it), ``unfinished`` (a run that can continue), ``finished``
+(its summary covers the rounds asked for) or ``stopped`` (it diverged: continuing would diverge again).
+Resuming and sweeps decide whether a folder holds the run a config describes by the same rule: the
+*pinned* settings (what the run computes: not where it computes, how it is logged or summarised) must
+agree, except that ``train.rounds`` may be raised.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import platform
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional
+
+import yaml
+
+import fedguide
+from fedguide.config import Config, build_config, config_differences, flat_keys, to_yaml
+from fedguide.core.atomic import remove_stale_temporaries, write_atomic, write_json, write_jsonl, write_text
+from fedguide.fl.run_lock import RunLock
+from fedguide.registry import ConfigError
+
+CONFIG_FILE = "config.yaml"
+PARTITION_FILE = "partition.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+STOPPED_FILE = "stopped.json"
+MODEL_FILE = "model.safetensors"
+CHECKPOINTS = "checkpoints"
+
+State = Literal["new", "unfinished", "finished", "stopped"]
+
+# Where a run computes is not part of what it is: a run started on a GPU may resume on a CPU (the same
+# metrics up to float rounding) and the other way round.
+# Nor are the feature cache's folder, a --rebuild of it, and how the summary condenses the curve (report:).
+UNPINNED = (("train", "device"), ("data", "on_device"), ("guidance", "device"), ("guidance", "rebuild"),
+            ("guidance", "feature_cache"))
+
+
+def pinned_config(cfg: Config) -> dict[str, Any]:
+    """What a checkpoint pins: the resolved config without ``meta`` (versions, commit) and the device keys."""
+    raw = cfg.model_dump(mode="json")
+    raw.pop("meta", None)
+    raw.pop("logging", None)  # how a run is watched is not what it computes: a resume may change it
+    raw.pop("report", None)
+    for section, key in UNPINNED:
+        raw.get(section, {}).pop(key, None)
+    return raw
+
+
+def unpinned_defaults(pinned: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """``now`` without the keys a checkpoint written by an older fedguide lacks where they hold their
+    default (a setting added since, such as train.precision: fp32, did not change that run)."""
+    defaults = flat_keys(pinned_config(Config()))
+    old = flat_keys(pinned)
+    dropped = {k for k, v in flat_keys(now).items() if k not in old and defaults.get(k, object()) == v}
+    out = copy.deepcopy(now)
+    for key in dropped:
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            node = node[part]
+        node.pop(last, None)
+    return out
+
+
+@dataclass(frozen=True)
+class SettingsComparison:
+    """A folder's pinned settings (``held``) against the ones asked for now (``wanted``)."""
+
+    differences: list[str]  # 'key: held vs wanted' for every pinned key but train.rounds
+    held_rounds: int
+    wanted_rounds: int
+
+    @property
+    def same(self) -> bool:
+        return not self.differences
+
+
+def compare_pinned(held: dict[str, Any], wanted: dict[str, Any], labels: tuple[str, str]) -> SettingsComparison:
+    """The one comparison behind ``resume`` and sweeps: every pinned key must agree except ``train.rounds``,
+    which the caller judges (a resume may raise it; a sweep with fewer rounds finds the run finished)."""
+    wanted = unpinned_defaults(held, wanted)
+    held_rounds, wanted_rounds = held["train"]["rounds"], wanted["train"]["rounds"]
+    aligned = {**wanted, "train": {**wanted["train"], "rounds": held_rounds}}
+    return SettingsComparison(config_differences(held, aligned, labels, limit=20), held_rounds, wanted_rounds)
+
+
+def git_commit() -> Optional[str]:
+    src = Path(fedguide.__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+
+
+class RunFolder:
+    """One run's folder. Reading never writes; every write is atomic (a crash leaves the previous file)."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def __repr__(self) -> str:
+        return f"RunFolder({str(self.path)!r})"
+
+    # ---- what it holds --------------------------------------------------------------------------
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    def holds_run(self) -> bool:
+        """Whether a run was started here (its config is written once its set-up succeeded)."""
+        return (self.path / CONFIG_FILE).is_file() or self.checkpoints.exists()
+
+    def read_config(self) -> Config:
+        path = self.path / CONFIG_FILE
+        if not path.is_file():
+            raise ConfigError(f"{self.path} is not a fedguide run directory (no {CONFIG_FILE}); "
+                              "pass the folder a 'fedguide run' created")
+        try:
+            return build_config(yaml.safe_load(path.read_text()) or {})
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path} is not valid YAML ({err}); restore the file the run wrote") from None
+
+    def read_summary(self) -> Optional[dict[str, Any]]:
+        """summary.json (None before the last round is done)."""
+        path = self.path / SUMMARY_FILE
+        if not path.is_file():
+            return None
+        summary = _read_json(path)
+        if not isinstance(summary, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(summary).__name__}")
+        return summary
+
+    def read_partition(self) -> Optional[dict[str, Any]]:
+        path = self.path / PARTITION_FILE
+        if not path.is_file():
+            return None
+        partition = _read_json(path)
+        if not isinstance(partition, dict) or not isinstance(partition.get("counts"), list):
+            raise ValueError(f"{path}: expected an object with a 'counts' list (clients x classes)")
+        return partition
+
+    def read_stopped(self) -> Optional[dict[str, Any]]:
+        path = self.path / STOPPED_FILE
+        return _read_json(path) if path.is_file() else None
+
+    def read_config_mapping(self) -> dict[str, Any]:
+        """config.yaml as written, unvalidated (a report reads runs of older and newer versions alike); {} before
+        the run wrote it."""
+        path = self.path / CONFIG_FILE
+        if not path.is_file():
+            return {}
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: not valid YAML ({err})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a YAML mapping, got {type(loaded).__name__}")
+        return loaded or {}
+
+    def read_metrics(self, running: bool = False, warnings: Optional[list[str]] = None) -> list[dict[str, Any]]:
+        """The committed rounds. ``running``: the run may be writing its last line now, so a last line that is
+        not JSON yet is skipped (and said in ``warnings``) instead of refused."""
+        path = self.path / METRICS_FILE
+        if not path.is_file():
+            return []
+        lines = path.read_text(encoding="utf-8").splitlines()
+        rows: list[dict[str, Any]] = []
+        for lineno, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                if running and lineno == len(lines):
+                    if warnings is not None:
+                        warnings.append(f"{path}:{lineno}: skipped a line that is not valid JSON ({err}); the run "
+                                        "may be writing it now")
+                    break
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+            rows.append(row)
+        return rows
+
+    def written(self) -> bool:
+        """Whether any of a run's records is here (config.yaml alone: a run before its first round)."""
+        return any((self.path / name).is_file() for name in (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, STOPPED_FILE))
+
+    def finished(self, rounds: int) -> bool:
+        """Whether the summary covers ``rounds`` rounds (a run raised past its summary is not finished)."""
+        summary = self.read_summary()
+        return summary is not None and summary.get("rounds", 0) >= rounds
+
+    def state(self, rounds: int) -> State:
+        """What the folder holds for a run of ``rounds`` rounds."""
+        if not self.holds_run():
+            return "new"
+        if self.finished(rounds):
+            return "finished"
+        if (self.path / STOPPED_FILE).is_file():
+            return "stopped"
+        return "unfinished"
+
+    def compare(self, cfg: Config, labels: tuple[str, str] = ("run folder", "this config")) -> SettingsComparison:
+        """The folder's config.yaml against ``cfg``, pinned keys only (``compare_pinned``)."""
+        return compare_pinned(pinned_config(self.read_config()), pinned_config(cfg), labels)
+
+    def state_for(self, cfg: Config) -> State:
+        """The state of the folder for a run of ``cfg``; a ConfigError when it holds a run of other settings."""
+        if not (self.path / CONFIG_FILE).is_file():
+            return self.state(cfg.train.rounds)
+        try:
+            comparison = self.compare(cfg, ("run folder", "this sweep"))
+        except ConfigError as err:
+            raise ConfigError(f"{self.path} holds a run whose config.yaml cannot be read ({err}); choose another "
+                              "--out") from None
+        if not comparison.same:
+            raise ConfigError(f"{self.path} holds a run of other settings:\n  " + "\n  ".join(comparison.differences)
+                              + "\nrun the sweep with the settings it was started with, or choose another --out")
+        return self.state(cfg.train.rounds)
+
+    # ---- checks before a run ---------------------------------------------------------------------
+    def check_fresh(self) -> None:
+        if self.holds_run():
+            raise ConfigError(f"{self.path} already holds a run; continue it with 'fedguide resume {self.path}' "
+                              "or choose another --out")
+
+    def check_writable(self) -> None:
+        """The folder exists (made here) and takes files, or a sentence says why not."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.path):
+                pass
+        except OSError as err:
+            raise ConfigError(f"cannot write the run folder {self.path}: {err.strerror or err} "
+                              f"({err.filename or self.path}); choose another --out, a folder you can write to") \
+                from None
+
+    def resume_notes(self, pinned_checkpoint: Optional[dict[str, Any]], cfg: Config, notes: dict[str, Any],
+                     log: Callable[[str], None]) -> dict[str, Any]:
+        """Refuse a resume whose config.yaml no longer describes the checkpointed run; the run's notes, with
+        ``rounds_raised_from`` when train.rounds was raised (the one change allowed)."""
+        notes = dict(notes)
+        if pinned_checkpoint is None:  # a checkpoint written before configs were pinned
+            return notes
+        comparison = compare_pinned(pinned_checkpoint, pinned_config(cfg), ("checkpoint", CONFIG_FILE))
+        old, new = comparison.held_rounds, comparison.wanted_rounds
+        if comparison.same and new > old:
+            log(f"train.rounds raised from {old} to {new}: the run continues to round {new}")
+            notes.setdefault("rounds_raised_from", old)
+            return notes
+        if comparison.same and new == old:
+            return notes
+        if comparison.same:
+            rule, diff = "train.rounds may only be raised", [f"train.rounds: {old!r} (checkpoint) vs {new!r} ({CONFIG_FILE})"]
+        else:
+            rule = "a run continues with the settings it was made with; only train.rounds may be raised"
+            diff = comparison.differences
+        raise ConfigError(f"{self.path / CONFIG_FILE} was edited since the run started ({rule}):\n  "
+                          + "\n  ".join(diff) + "\nundo the edit to resume, or start a new run: fedguide run "
+                          f"{self.path / CONFIG_FILE} --out NEW_FOLDER")
+
+    def lock(self) -> RunLock:
+        return RunLock(self.path)
+
+    def continue_hint(self) -> str:
+        """How to go on after an interruption: resume once the run's config is written, else run again."""
+        if (self.path / CONFIG_FILE).is_file():
+            return f"continue with: fedguide resume {self.path}"
+        return f"nothing of the run was kept yet; start it again with the same command and --out {self.path}"
+
+    # ---- writing ----------------------------------------------------------------------------------
+    def open_for_resume(self) -> None:
+        """Drop what a killed process left half-written, and a stop record a resume supersedes."""
+        remove_stale_temporaries(self.path)
+        (self.path / STOPPED_FILE).unlink(missing_ok=True)
+
+    def write_config(self, cfg: Config) -> None:
+        import torch  # here, not at the top: reading a folder (a report) must not pay for importing torch
+
+        cfg = cfg.model_copy(deep=True)
+        cfg.meta = {"version": fedguide.__version__, "git_commit": git_commit(), "torch": torch.__version__,
+                    "python": platform.python_version()}
+        write_text(self.path / CONFIG_FILE, to_yaml(cfg))
+
+    def write_partition(self, record: dict[str, Any]) -> None:
+        write_json(self.path / PARTITION_FILE, record)
+
+    def write_metrics(self, rows: list[dict[str, Any]]) -> None:
+        write_jsonl(self.path / METRICS_FILE, rows)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        write_json(self.path / SUMMARY_FILE, summary)
+
+    def write_stopped(self, record: dict[str, Any]) -> None:
+        write_json(self.path / STOPPED_FILE, record)
+
+    def write_model(self, state: dict[str, Any]) -> None:
+        from safetensors.torch import save_file
+
+        write_atomic(self.path / MODEL_FILE, lambda tmp: save_file(state, tmp))
