@@ -7,7 +7,7 @@ import torch
 from fedguide.guidance.condition import ConditionMap, inject
 from fedguide.config import GuidanceConfig
 from fedguide.guidance.hooks import capture, decoder_layer, layer_order, unet_features
-from fedguide.guidance.loading import load_guidance
+from fedguide.guidance.model import GuidanceModel
 from fedguide.guidance.sources import GuidanceLoadError, fingerprint
 from fedguide.registry import ConfigError
 
@@ -45,29 +45,29 @@ def test_offline_hub_id_fails_fast_naming_a_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     with pytest.raises(GuidanceLoadError, match="guidance.model=DIR"):
-        load_guidance(GuidanceConfig(model="runwayml/stable-diffusion-v1-5"))
+        GuidanceModel.from_config(GuidanceConfig(model="runwayml/stable-diffusion-v1-5"))
 
 
 def test_bad_sources_name_the_fix(tiny_sd, tmp_path):
     with pytest.raises(GuidanceLoadError, match="needs a guidance model"):
-        load_guidance(GuidanceConfig(model=None))
+        GuidanceModel.from_config(GuidanceConfig(model=None))
     with pytest.raises(GuidanceLoadError, match="neither a folder nor a hub id"):
-        load_guidance(GuidanceConfig(model="./missing/folder"))
+        GuidanceModel.from_config(GuidanceConfig(model="./missing/folder"))
     broken = shutil.copytree(tiny_sd, tmp_path / "broken")
     shutil.rmtree(broken / "unet")
     with pytest.raises(GuidanceLoadError, match="no unet/ folder"):
-        load_guidance(GuidanceConfig(model=str(broken)))
+        GuidanceModel.from_config(GuidanceConfig(model=str(broken)))
 
 
 def test_cuda_without_a_gpu_names_the_fix(tiny_sd, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a machine with a GPU
     with pytest.raises(GuidanceLoadError, match="no CUDA.*guidance.device=cpu"):
-        load_guidance(GuidanceConfig(model=str(tiny_sd), device="cuda"))
+        GuidanceModel.from_config(GuidanceConfig(model=str(tiny_sd), device="cuda"))
 
 
 def test_image_encoder_none_and_override(tiny_sd, tiny_clip):
-    assert load_guidance(GuidanceConfig(model=str(tiny_sd), image_encoder="none")).image_encoder is None
-    m = load_guidance(GuidanceConfig(model=str(tiny_sd), image_encoder=str(tiny_clip)))
+    assert GuidanceModel.from_config(GuidanceConfig(model=str(tiny_sd), image_encoder="none")).image_encoder is None
+    m = GuidanceModel.from_config(GuidanceConfig(model=str(tiny_sd), image_encoder=str(tiny_clip)))
     assert m.image_encoder.can_zero_shot
 
 

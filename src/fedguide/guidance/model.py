@@ -64,7 +64,7 @@ class GuidanceModel:
 
     @classmethod
     def from_config(cls, cfg) -> "GuidanceModel":
-        """The model a GuidanceConfig describes (``loading.load_guidance`` is the same call)."""
+        """The model a GuidanceConfig describes."""
         return cls(**load_components(cfg))
 
     def _frozen(self, module):
