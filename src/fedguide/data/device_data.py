@@ -148,7 +148,3 @@ class DeviceData:
         idx = idx.to(self.test_y.device, non_blocking=True)
         raw = self.test.values[idx].to(self.device, non_blocking=True)
         return self._input(raw, self.test.uint8, None), self.test_y[idx].to(self.device, non_blocking=True)
-
-    @property
-    def num_test(self) -> int:
-        return len(self.test_y)

@@ -74,10 +74,6 @@ class FeatureTap:
         self._out: dict[int, torch.Tensor] = {}
         self._count = 0
 
-    @property
-    def attached(self) -> bool:
-        return bool(self._handles)
-
     def attach(self, encoder: nn.Module, stages: list[list[str]], preactivation: bool = True) -> None:
         self.detach()
         for index, names in enumerate(stages):

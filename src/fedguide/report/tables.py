@@ -78,11 +78,6 @@ class Group:
     def _values(self, attr: str) -> list[float]:
         return [v for v in (getattr(r, attr) for r in self.runs) if v is not None]
 
-    @property
-    def final_mean(self) -> float | None:
-        vals = self._values("final_accuracy")
-        return statistics.fmean(vals) if vals else None
-
     def last_k(self, override: int | None = None) -> int:
         return common_k(self.runs, override)
 
