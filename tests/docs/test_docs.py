@@ -1,6 +1,6 @@
 """The documentation: the site builds with ``mkdocs build --strict`` (no warning: every internal link and
 anchor resolves), the nav's links into the sections of a page point at headings that exist, and every
-runnable example runs.
+runnable example runs; the repository paths the pages name exist.
 
 A runnable example is a fenced block whose info string is ``{ .python .runnable title="NAME.py" }``
 (pymdownx.superfences renders it as a Python block headed by its file name). Each runs as a script in a
@@ -86,6 +86,21 @@ def test_nav_links_into_pages_name_existing_headings(site):
         html = site / page.strip("/") / "index.html"
         assert html.is_file(), f"nav link {link}: no page {page}"
         assert f'id="{anchor}"' in html.read_text(encoding="utf-8"), f"nav link {link}: no heading #{anchor}"
+
+
+# Paths into the repository are written as code spans (`src/fedguide/...`): links out of docs/ would not
+# survive the site build. They are checked here instead, except templates (`<family>`) and the files the
+# extending guide's examples would become (`*_example.py`).
+REPO_PATH = re.compile(r"`((?:src|tests|benchmarks|configs|examples|scripts)/[^`\s:]*)")
+
+
+def test_paths_the_docs_name_exist():
+    pages = [*sorted(DOCS.rglob("*.md")), ROOT / "README.md",
+             ROOT / "src" / "fedguide" / "guidance" / "embedded" / "weights" / "MODEL_CARD.md"]
+    missing = sorted({f"{page.relative_to(ROOT)}: {path}" for page in pages
+                      for path in REPO_PATH.findall(page.read_text(encoding="utf-8"))
+                      if "<" not in path and not path.endswith("_example.py") and not (ROOT / path).exists()})
+    assert not missing, "paths named in the documentation that do not exist:\n" + "\n".join(missing)
 
 
 @pytest.mark.parametrize("title", sorted(runnable_blocks()))
