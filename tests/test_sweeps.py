@@ -80,3 +80,16 @@ def test_the_run_folder_tells_finished_unfinished_and_other_settings_apart(tmp_p
     other = resolved.model_copy(update={"train": resolved.train.model_copy(update={"lr": 0.5})})
     with pytest.raises(ConfigError, match=r"holds a run of other settings:\n  train.lr: 0.05 \(run folder\) vs 0.5"):
         RunFolder(run_dir).state_for(other)
+
+
+def test_a_sweep_that_raises_the_rounds_leaves_a_config_that_describes_the_run(tmp_path):
+    """The continued run's config.yaml says its new length (a report pairs runs by it) and keeps the meta of
+    the process that started it; summary.json records where it was raised from."""
+    import fedguide
+
+    [first] = fedguide.sweep(tiny_raw(train={"rounds": 2}), ["seed=0"], out=tmp_path, quiet=True)
+    meta = first.config["meta"]
+    [raised] = fedguide.sweep(tiny_raw(train={"rounds": 3}), ["seed=0"], out=tmp_path, quiet=True)
+    assert raised.path == first.path and raised.config["train"]["rounds"] == 3 and raised.config["meta"] == meta
+    assert raised.summary["rounds"] == 3 and raised.summary["rounds_raised_from"] == 2
+    assert [m["round"] for m in raised.metrics] == [1, 2, 3]

@@ -60,8 +60,19 @@ def test_only_runs_with_the_same_other_settings_pair(tmp_path):
     a = make_run(tmp_path, "avg", "fedavg", 0, curve=curve((0.0, 0.0)))
     b = with_config(make_run(tmp_path, "prox-lr", "fedprox", 0, curve=curve((0.1, 0.1))), train__lr=0.5)
     [c] = paired_comparisons([a, b], "fedavg")
-    assert c.seeds == [] and c.unpaired == ["seed 0: no fedavg run"]
+    assert c.seeds == [] and c.unpaired == ["seed 0: no fedavg run with the same settings (train.lr differs)"]
     assert c.settings == ["train.lr=0.5"]
+
+
+def test_runs_of_different_lengths_never_pair(tmp_path):
+    """A folder whose config.yaml still says 5 rounds while it ran 6 (written before config.yaml followed a
+    raised train.rounds) does not pair with a 5-round run: their difference would measure the extra round."""
+    a = make_run(tmp_path, "avg", "fedavg", 0, curve=curve((0.0, 0.0)) + [0.0])
+    b = with_config(make_run(tmp_path, "prox", "fedprox", 0, curve=curve((0.1, 0.1)) + [0.1, 0.1]),
+                    train__rounds=len(curve((0.0, 0.0))) + 1)
+    [c] = paired_comparisons([a, b], "fedavg")
+    assert c.seeds == [] and c.unpaired == [f"seed 0: {len(curve((0, 0))) + 2} rounds against fedavg's "
+                                            f"{len(curve((0, 0))) + 1}"]
 
 
 def test_reference_by_label_and_bad_references(tmp_path):

@@ -279,6 +279,7 @@ class RunFolder:
         if comparison.same and new > old:
             log(f"train.rounds raised from {old} to {new}: the run continues to round {new}")
             notes.setdefault("rounds_raised_from", old)
+            self._record_rounds(new)
             return notes
         if comparison.same and new == old:
             return notes
@@ -290,6 +291,15 @@ class RunFolder:
         raise ConfigError(f"{self.path / CONFIG_FILE} was edited since the run started ({rule}):\n  "
                           + "\n  ".join(diff) + "\nundo the edit to resume, or start a new run: fedguide run "
                           f"{self.path / CONFIG_FILE} --out NEW_FOLDER")
+
+    def _record_rounds(self, rounds: int) -> None:
+        """config.yaml describes the run as it stands: a sweep that raised train.rounds continues the run, and a
+        report pairing runs by their settings must see the new length, not the one the run started with. The
+        rest of the file (its meta: the versions that started the run) is kept."""
+        raw = self.read_config_mapping()
+        if raw.get("train", {}).get("rounds") != rounds:
+            raw.setdefault("train", {})["rounds"] = rounds
+            write_text(self.path / CONFIG_FILE, yaml.safe_dump(raw, sort_keys=False))
 
     def lock(self) -> RunLock:
         return RunLock(self.path)

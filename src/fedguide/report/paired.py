@@ -122,10 +122,14 @@ def paired_comparisons(runs: Iterable[RunRecord | str | Path], vs: str, last_k: 
         for seed in sorted(set(mine) | set(theirs), key=_seed_order):
             a, b = mine.get(seed, []), theirs.get(seed, [])
             name = f"seed {json.loads(seed)}"
-            if len(a) == 1 and len(b) == 1:
+            if len(a) == 1 and len(b) == 1 and a[0].rounds_done != b[0].rounds_done:
+                # Equal settings on paper, different lengths on disk (a folder whose config was not updated when
+                # its rounds were raised): a difference of such runs measures the extra rounds.
+                unpaired.append(f"{name}: {a[0].rounds_done} rounds against {ref_label}'s {b[0].rounds_done}")
+            elif len(a) == 1 and len(b) == 1:
                 pairs.append((a[0], b[0]))
             elif not b:
-                unpaired.append(f"{name}: no {ref_label} run")
+                unpaired.append(f"{name}: no {ref_label} run" + _why_not(a[0], refs, seed))
             elif not a:
                 unpaired.append(f"{name}: only {ref_label}")
             else:
@@ -136,6 +140,22 @@ def paired_comparisons(runs: Iterable[RunRecord | str | Path], vs: str, last_k: 
             [a.accuracy_last(k) - b.accuracy_last(k) for a, b in pairs],
             [a.final_accuracy - b.final_accuracy for a, b in pairs], unpaired))
     return sorted(comparisons, key=lambda c: (c.settings, -(c.mean_last_k if c.mean_last_k is not None else -1e9)))
+
+
+def _why_not(run: RunRecord, refs: list[RunRecord], seed: str) -> str:
+    """Why a run of this seed found no reference partner: the settings in which the reference's runs of the
+    same seed differ from it (" (model.mapping differs)"), or nothing when the reference has no run of it."""
+    same_seed = [r for r in refs if json.dumps(r.seed, default=str) == seed]
+    if not same_seed:
+        return ""
+    mine = {k: v for k, v in flat_keys(run.config).items() if not _under(k, NOT_SETTINGS + METHOD_KEYS)}
+    theirs = {k: v for k, v in flat_keys(same_seed[0].config).items() if not _under(k, NOT_SETTINGS + METHOD_KEYS)}
+    missing = object()
+    keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k, missing) != theirs.get(k, missing))
+    if not keys:
+        return ""
+    return f" with the same settings ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''} " \
+           f"differ{'s' if len(keys) == 1 else ''})"
 
 
 def _seed_order(seed: str) -> tuple:
