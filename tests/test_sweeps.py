@@ -93,3 +93,23 @@ def test_a_sweep_that_raises_the_rounds_leaves_a_config_that_describes_the_run(t
     assert raised.path == first.path and raised.config["train"]["rounds"] == 3 and raised.config["meta"] == meta
     assert raised.summary["rounds"] == 3 and raised.summary["rounds_raised_from"] == 2
     assert [m["round"] for m in raised.metrics] == [1, 2, 3]
+
+
+def test_keys_that_share_their_last_part_keep_the_whole_key_in_folder_names():
+    assert folders("method.name=fedavg", "data.name=digits") == ["method.name=fedavg-data.name=digits"]
+    assert folders("method.name=fedavg", "seed=0") == ["name=fedavg-seed=0"]  # unique last parts stay short
+
+
+def test_an_axis_added_to_a_sweep_continues_its_runs_instead_of_recomputing_them(tmp_path):
+    """A sweep over seeds of FedAvg, then the same sweep with a method axis: the FedAvg runs are found in their
+    folders by their settings and skipped; only FedProx runs."""
+    import fedguide
+
+    base = tiny_raw(train={"rounds": 1})
+    [before] = fedguide.sweep(base, ["seed=0"], out=tmp_path, quiet=True)
+    stamp = (before.path / "summary.json").stat().st_mtime_ns
+    lines = []
+    records = fedguide.sweep(base, ["method.name=fedavg,fedprox", "seed=0"], out=tmp_path, log=lines.append)
+    assert records[0].path == before.path and (before.path / "summary.json").stat().st_mtime_ns == stamp
+    assert lines[0] == f"[1/2] method.name=fedavg seed=0: finished before, skipped -> {before.path}"
+    assert records[1].path == tmp_path / "name=fedprox-seed=0" and records[1].summary["method"] == "fedprox"

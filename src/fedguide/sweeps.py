@@ -22,7 +22,7 @@ from fedguide.config import Config, apply_overrides, build_config, parse_value, 
 from fedguide.registry import ConfigError
 
 if TYPE_CHECKING:
-    from fedguide.fl.run_folder import State
+    from fedguide.fl.run_folder import RunFolder, State
 
 # Characters a folder name cannot hold on some system (or that would make a sub-folder).
 _UNSAFE = re.compile(r'[/\\:*?"<>|\s\x00-\x1f]')
@@ -39,6 +39,7 @@ class Axis:
 class Combination:
     settings: tuple[tuple[str, Any], ...]  # (dotted key, value) per axis
     labels: tuple[str, ...]
+    names: tuple[str, ...] = ()  # each key as the folder name writes it (``grid``: its last part where unique)
 
     @property
     def overrides(self) -> list[tuple[str, Any]]:
@@ -51,8 +52,10 @@ class Combination:
 
     @property
     def folder(self) -> str:
-        """'name=fedavg-seed=0': the last part of each key with its value."""
-        return "-".join(f"{k.split('.')[-1]}={_UNSAFE.sub('_', lab)}" for (k, _), lab in zip(self.settings, self.labels))
+        """'name=fedavg-seed=0': each key by its last part (the whole dotted key where two axes share a last
+        part: 'method.name=fedavg-data.name=digits') with its value."""
+        names = self.names or tuple(k.split(".")[-1] for k, _ in self.settings)
+        return "-".join(f"{n}={_UNSAFE.sub('_', lab)}" for n, lab in zip(names, self.labels))
 
 
 def value_label(value: Any) -> str:
@@ -122,14 +125,15 @@ def grid(axes: Sequence[Axis]) -> list[Combination]:
     repeated = sorted({k for k in keys if keys.count(k) > 1})
     if repeated:
         raise ConfigError(f"--sweep {repeated[0]} is given twice; list all its values in one --sweep")
-    combos = [Combination(tuple((a.key, v) for a, (v, _) in zip(axes, pick)), tuple(lab for _, lab in pick))
+    lasts = [k.split(".")[-1] for k in keys]
+    names = tuple(last if lasts.count(last) == 1 else key for key, last in zip(keys, lasts))
+    combos = [Combination(tuple((a.key, v) for a, (v, _) in zip(axes, pick)), tuple(lab for _, lab in pick), names)
               for pick in itertools.product(*(list(zip(a.values, a.labels)) for a in axes))]
     folders: dict[str, Combination] = {}
     for c in combos:
         if c.folder in folders:
             raise ConfigError(f"the sweep combinations '{folders[c.folder].label}' and '{c.label}' would share the "
-                              f"run folder {c.folder}; sweep keys whose last parts differ, or values that differ "
-                              "in more than punctuation")
+                              f"run folder {c.folder}; give values that differ in more than punctuation")
         folders[c.folder] = c
     return combos
 
@@ -151,13 +155,25 @@ def plan(raw: dict[str, Any], overrides: Sequence[Union[str, tuple[str, Any]]], 
     from fedguide.fl.preflight import check, refuse_runtime
     from fedguide.fl.run_folder import RunFolder
 
+    parent = Path(parent)
+    named = {parent / c.folder for c in combos}
+    # Run folders of this parent that no combination names: a sweep before an axis was added (its runs hold
+    # that axis' value of the config) or before its folders were named as now. A new combination whose
+    # settings one of them holds continues it there instead of recomputing it under a new name.
+    others = sorted(p for p in parent.iterdir() if p not in named and (p / "config.yaml").is_file()) \
+        if parent.is_dir() else []
     planned, errors = [], []
     for combo in combos:
         try:
             cfg = build_config(apply_overrides(raw, [*overrides, *combo.overrides]))
-            folder = RunFolder(Path(parent) / combo.folder)
+            folder = RunFolder(parent / combo.folder)
             prepared = check(cfg)
             state = folder.state_for(prepared.config)
+            if state == "new":
+                held = _holding(others, prepared.config)
+                if held is not None:
+                    others.remove(held.path)
+                    folder, state = held, held.state_for(prepared.config)
             refuse_runtime(prepared.config, folder.path, resume=state != "new")
             planned.append(PlannedRun(combo, prepared.config, folder.path, state, prepared.data.summary()))
         except ValueError as err:  # ConfigError and what building a model or method refuses
@@ -166,6 +182,20 @@ def plan(raw: dict[str, Any], overrides: Sequence[Union[str, tuple[str, Any]]], 
         raise ConfigError(f"{len(errors)} of {len(combos)} sweep combinations are invalid, so none ran:\n  "
                           + "\n  ".join(e.replace("\n", "\n    ") for e in errors))
     return planned
+
+
+def _holding(folders: list[Path], cfg: Config) -> Optional["RunFolder"]:
+    """The first of ``folders`` that holds a run of ``cfg``'s settings (train.rounds aside), if any."""
+    from fedguide.fl.run_folder import RunFolder
+
+    for path in folders:
+        folder = RunFolder(path)
+        try:
+            if folder.compare(cfg).same:
+                return folder
+        except ValueError:  # a folder whose config cannot be read holds no run of these settings
+            continue
+    return None
 
 
 def dry_run_text(runs: Sequence[PlannedRun]) -> str:
