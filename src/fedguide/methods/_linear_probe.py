@@ -38,12 +38,12 @@ class LinearProbe:
         # every sample some client trains on (the clients' union, as the probe of a label-free federation)
         pool = np.unique(np.concatenate([np.asarray(i, dtype=np.int64) for i in self.run.data.client_indices]))
         if len(pool) > self.samples:
-            rng = np.random.default_rng(np.random.SeedSequence([self.run.config.seed, 0xB0]))
+            rng = np.random.default_rng(np.random.SeedSequence([self.run.seed, 0xB0]))
             pool = np.sort(rng.choice(pool, self.samples, replace=False))
         return pool
 
     def _encode(self, x: torch.Tensor) -> np.ndarray:
-        batch, device = self.run.config.train.eval_batch_size, self.run.device
+        batch, device = self.run.train.eval_batch_size, self.run.device
         with torch.no_grad():
             parts = [self._model.encoder(x[s:s + batch].to(device)).float().cpu() for s in range(0, len(x), batch)]
         return torch.cat(parts).numpy()
@@ -57,5 +57,5 @@ class LinearProbe:
         run.layout.load(self._model, global_weights.to(run.device))
         splits, pool = run.data.splits, self._pool()
         accuracy = linear_probe(self._encode(splits.train_x[torch.from_numpy(pool)]), splits.train_y[pool].numpy(),
-                                self._encode(splits.test_x), splits.test_y.numpy(), seed=run.config.seed)
+                                self._encode(splits.test_x), splits.test_y.numpy(), seed=run.seed)
         return {"accuracy": accuracy, "probe_accuracy": accuracy}

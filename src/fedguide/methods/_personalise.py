@@ -86,7 +86,7 @@ def fine_tune(run: RunContext, client_id: int, round_: int, weights: torch.Tenso
     model = run.model
     run.layout.load(model, weights.to(run.device))
     ctx = ClientContext(client_id, round_, run.data.client(client_id), {}, {},
-                        generator=torch_generator(run.config.seed, "personal", round_, client_id),
+                        generator=torch_generator(run.seed, "personal", round_, client_id),
                         device_data=run.device_data)
     keep = {"full": "none", "head": "body", "body": "head"}[part]
     with torch.random.fork_rng(devices=[]), frozen(model, keep):

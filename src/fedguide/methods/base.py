@@ -134,10 +134,10 @@ class Method:
         ``eval.finetune_steps`` steps of cross-entropy on the client's training data when that is set.
         Methods whose clients keep a model of their own return it from the client store
         (``self.run.store.get(client_id, round_)``, which sees this round's writes)."""
-        steps = self.run.config.eval.finetune_steps
+        steps = self.run.eval.finetune_steps
         if not steps:
             return global_weights
-        train = self.run.config.train.model_copy(update={"local_steps": steps})
+        train = self.run.train.model_copy(update={"local_steps": steps})
         return fine_tune(self.run, client_id, round_, global_weights, train)
 
     # ---- checkpointing of server-side state -------------------------------------------------------

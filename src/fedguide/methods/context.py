@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+from pydantic import BaseModel
 
-from fedguide.config import Config
+from fedguide.config import ClientsConfig, Config, DataConfig, EvalConfig, GuidanceConfig, TrainConfig
 from fedguide.core.evaluation import Evaluator
 from fedguide.core.records import Record
 from fedguide.core.state import ClientStateStore
@@ -23,7 +24,20 @@ if TYPE_CHECKING:
 
 @dataclass
 class RunContext:
+    """The run as its method and regularisers see it: the settings they read, the data, the one live model and
+    the stores. ``config`` is the whole config for the engine and the runtimes; methods read the fields below
+    it, so that what a method depends on is named here."""
+
     config: Config
+    method_name: str  # the method's registered name (method.name), for messages and cache records
+    seed: int
+    train: TrainConfig
+    eval: EvalConfig
+    guidance: GuidanceConfig
+    clients: ClientsConfig
+    data_settings: DataConfig  # the data section (name, fraction, public pool); ``data`` is the data itself
+    model_name: str  # the run's architecture (model.name) and its parsed parameters, method defaults applied
+    model_params: BaseModel
     data: FederatedData
     model: SplitModel  # the one live model of this process
     make_model: Callable[[], SplitModel]  # a fresh model of the same architecture (e.g. a frozen teacher)

@@ -178,7 +178,7 @@ def test_option1_control_is_the_full_local_gradient_at_the_server_model():
     torch.manual_seed(1)
     n = 10
     data = Data(indices=torch.arange(n), x=torch.randn(n, 3), y=torch.arange(n) % 2)
-    method.run.config = SimpleNamespace(train=TrainConfig(batch_size=4, momentum=0.9))
+    method.run.train = TrainConfig(batch_size=4, momentum=0.9)
     x0 = method.run.layout.flatten(model)
     ctx = ClientContext(0, 2, data, {"weights": x0, "control": torch.full((8,), 0.1)}, {})
     method.begin_local(model, ctx)

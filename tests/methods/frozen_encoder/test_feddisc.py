@@ -62,7 +62,7 @@ def test_labeled_set_prefers_the_scenario_then_the_public_pool_then_unheld_image
         data = SimpleNamespace(server_indices=None if server is None else np.array(server),
                                public_indices=np.array(public, dtype=np.int64), client_indices=list(clients),
                                splits=SimpleNamespace(train_y=labels))
-        return SimpleNamespace(data=data, config=SimpleNamespace(seed=0))
+        return SimpleNamespace(data=data, seed=0)
     assert labeled_set(run(server=[3, 4], public=[7]))[1] == "scenario"
     idx, source = labeled_set(run(public=[7, 8]))
     assert source == "public" and idx.tolist() == [7, 8]

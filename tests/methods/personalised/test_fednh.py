@@ -120,7 +120,7 @@ def test_local_loss_uses_frozen_cosine_head():
 
 
 def fake_run(**train):
-    return SimpleNamespace(config=SimpleNamespace(train=TrainConfig(**train)))
+    return SimpleNamespace(train=TrainConfig(**train))
 
 
 def test_learned_scale_takes_the_same_steps_as_a_joint_optimiser():

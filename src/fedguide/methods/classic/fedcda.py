@@ -159,7 +159,7 @@ class FedCDA(Method):
         return models, rounds
 
     def setup(self) -> None:
-        rounds = self.run.config.train.rounds
+        rounds = self.run.train.rounds
         if rounds <= self.params.warmup_rounds:
             print(f"note: fedcda's warm-up ({self.params.warmup_rounds} rounds of FedAvg) covers all {rounds} rounds, "
                   "so no cross-round selection happens; lower method.warmup_rounds", file=sys.stderr, flush=True)

@@ -170,7 +170,7 @@ class Scaffold(Method):
     def _full_gradient(self, model, ctx) -> torch.Tensor:
         """Option I: ∇f_i(x), the mean of the local objective's gradient over the client's data at the
         server model, batch by batch (weighted by batch size, so it equals the full-batch mean)."""
-        data, bs = ctx.data, self.run.config.train.batch_size
+        data, bs = ctx.data, self.run.train.batch_size
         params = [p for p in model.parameters() if p.requires_grad]
         total = [torch.zeros_like(p) for p in params]
         for start in range(0, len(data), bs):
@@ -189,7 +189,7 @@ class Scaffold(Method):
         return loss if pairs is None else loss + correction_term(*pairs)
 
     def client_upload(self, model, ctx):
-        train = self.local_train(self.run.config.train)
+        train = self.local_train(self.run.train)
         x, y = ctx.payload["weights"], self.run.layout.flatten(model)
         c_local = ctx.state.get("control", self._zeros())
         lr = train.lr

@@ -145,7 +145,7 @@ def guidance_images(run, indices: np.ndarray) -> torch.Tensor:
 def fit_sample(run, n: int, seed: int) -> tuple[np.ndarray, str]:
     """(sorted indices, description) of at most ``n`` images to fit a basis on."""
     public = np.asarray(run.data.public_indices, dtype=np.int64)
-    if run.config.data.public_fraction > 0 and len(public):
+    if run.data_settings.public_fraction > 0 and len(public):
         pool, source = public, "the public pool (data.public_fraction)"
     else:
         pool, source = training_rows(run), ("a seeded sample of the clients' training images (they reach the "
@@ -158,7 +158,7 @@ def fit_sample(run, n: int, seed: int) -> tuple[np.ndarray, str]:
 def input_size(run, requested: ImageSize, paper: Optional[int]) -> Optional[int]:
     """Pixels per side of the images the VAE encodes (``paper``: the paper's size, None = the data's own);
     None while the pipeline's configs cannot be read without a download (the model's loading then says why)."""
-    facts = pipeline_facts(run.config.guidance)
+    facts = pipeline_facts(run.guidance)
     if facts is None:
         return None
     data = data_image_size(run)
@@ -169,7 +169,7 @@ def loaded_input_size(run, requested: ImageSize, paper: Optional[int]) -> int:
     """``input_size`` once the guidance model is loaded (its configs are then on disk)."""
     size = input_size(run, requested, paper)
     if size is None:
-        raise ConfigError(f"the configs of guidance model '{run.config.guidance.model}' cannot be read to size its "
+        raise ConfigError(f"the configs of guidance model '{run.guidance.model}' cannot be read to size its "
                           "inputs; pass a local folder of the pipeline as guidance.model")
     return size
 
@@ -271,18 +271,18 @@ def fit_basis(feats: DiffusionFeatures, name: str, run, store: FeatureStore, fit
     return True
 
 
-def data_recipe(cfg) -> dict:
+def data_recipe(data_settings) -> dict:
     """The data section as a feature-cache key sees it: without where the tensors sit during training
     (data.on_device), which changes no image."""
-    raw = cfg.data.model_dump(mode="json")
+    raw = data_settings.model_dump(mode="json")
     raw.pop("on_device", None)
     return raw
 
 
 def feature_key(feats: DiffusionFeatures, run, rows: np.ndarray, **extra) -> FeatureKey:
-    cfg = run.config
-    return feats.key(cfg.data.name, "train", cfg.data.fraction, seed=feats.spec.noise_seed,
-                     data=data_recipe(cfg), samples=digest(rows), num_samples=int(len(rows)), **extra)
+    data = run.data_settings
+    return feats.key(data.name, "train", data.fraction, seed=feats.spec.noise_seed,
+                     data=data_recipe(data), samples=digest(rows), num_samples=int(len(rows)), **extra)
 
 
 def cached_features(store: FeatureStore, key: FeatureKey, rows: np.ndarray,

@@ -100,14 +100,14 @@ class GeneratedData:
         from fedguide.methods._synthetic import GenerationJob, SyntheticStore, check_image_data, generate_set
 
         run, p = self.run, self.params
-        check_image_data(run.data.splits, run.config.method.name)
-        model = guidance_model(run.config.guidance)
+        check_image_data(run.data.splits, run.method_name)
+        model = guidance_model(run.guidance)
         store = SyntheticStore(self.folder)
         prompts = class_prompts(run.data.splits.class_names, p.prompt)
         generated, seconds = 0, 0.0
         for cid, (classes, per_class) in sorted(self.plan().items()):
             recipe = {"method": "text-only", "guidance_model": model.model_id, "dtype": str(model.dtype),
-                      "dataset": run.config.data.name, "class_names": list(run.data.splits.class_names),
+                      "dataset": run.data_settings.name, "class_names": list(run.data.splits.class_names),
                       "input_shape": list(run.data.splits.input_shape), "prompt": p.prompt, "scheduler": p.scheduler,
                       "steps": p.steps, "cfg_scale": p.cfg_scale, "batch_size": p.gen_batch_size,
                       "seed": p.seed * NOISE_CLIENT_STRIDE + cid, "client": cid, "classes": classes,

@@ -42,8 +42,8 @@ class SDFeatureTargets:
                                                           guidance_images, loaded_input_size, prompt_maps, timed,
                                                           training_rows)
 
-        run, cfg = self.run, self.run.config
-        model = guidance_model(cfg.guidance)
+        run = self.run
+        model = guidance_model(run.guidance)
         if self.image_size is None:
             self.image_size = loaded_input_size(run, "paper", None)
         feats = DiffusionFeatures(model, FeatureSpec(self.layers, t=0, noise_seed=self.seed,
@@ -56,13 +56,14 @@ class SDFeatureTargets:
             maps = prompt_maps(feats, guidance_images(run, b), b, tokens, torch.zeros(len(b), 1, dtype=torch.long))
             return torch.cat([spatial_pool(maps[layer], "mean") for layer in self.layers], dim=1).float().cpu()
 
-        key = FeatureKey(model=model.model_id, dataset=cfg.data.name, split="train", fraction=cfg.data.fraction,
+        data = run.data_settings
+        key = FeatureKey(model=model.model_id, dataset=data.name, split="train", fraction=data.fraction,
                          seed=self.seed, recipe={"spec": feats.spec.as_dict(), "pooling": "mean", "prompt": "",
-                                                 "data": data_recipe(cfg), "samples": digest(rows),
+                                                 "data": data_recipe(data), "samples": digest(rows),
                                                  "num_samples": int(len(rows))})
-        store = feature_store(cfg.guidance)
+        store = feature_store(run.guidance)
         self.features, seconds = timed(lambda: cached_features(store, key, rows, pooled, self.extract_batch,
-                                                               cfg.guidance.rebuild, "SD features (FedRCL †)"))
+                                                               run.guidance.rebuild, "SD features (FedRCL †)"))
         width, z_dim = int(self.features.shape[1]), int(run.model.feature_dim)
         self.map = torch.randn(z_dim, width, generator=torch.Generator().manual_seed(self.seed)) / width ** 0.5
         return {"folder": str(store.path(key)), "seconds": round(seconds, 3), "shape": list(self.features.shape),

@@ -66,26 +66,26 @@ class AlignFeatures(Method):
     extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
     def setup(self):
         p, run = self.params, self.run
-        cfg = run.config
         encoder, model_id = self._encoder()
         z_dim = int(run.model.feature_dim)
         self.map = torch.randn(z_dim, encoder.dim, generator=torch.Generator().manual_seed(p.seed)) / encoder.dim ** 0.5
         rows = training_rows(run)
         self._rows = RowLookup(rows)
         record = GuidanceRecord(run, "align_features")
-        key = FeatureKey(model=model_id, dataset=cfg.data.name, split="train", fraction=cfg.data.fraction,
+        data = run.data_settings
+        key = FeatureKey(model=model_id, dataset=data.name, split="train", fraction=data.fraction,
                          seed=0, recipe={"role": "image_encoder", "dim": encoder.dim,
                                          "image_encoder": self._encoder_name(),
-                                         "data": data_recipe(cfg),
+                                         "data": data_recipe(data),
                                          "samples": digest(rows), "num_samples": int(len(rows))})
 
         def embed(b):
             with torch.no_grad():
                 return encoder.embed(guidance_images(run, b)).float().cpu()
 
-        store = feature_store(cfg.guidance)
+        store = feature_store(run.guidance)
         self._embeds, seconds = timed(lambda: cached_features(store, key, rows, embed, p.extract_batch,
-                                                              cfg.guidance.rebuild and record.first,
+                                                              run.guidance.rebuild and record.first,
                                                               "image encoder features"))
         record.note("image_features", {"folder": str(store.path(key)), "seconds": round(seconds, 3),
                                        "shape": list(self._embeds.shape)})
@@ -95,11 +95,11 @@ class AlignFeatures(Method):
     def _encoder_name(self) -> str:
         if self.params.encoder is not None:
             return f"{self.params.encoder} ({self.params.pooling} token)"
-        return self.run.config.guidance.image_encoder or "pipeline"
+        return self.run.guidance.image_encoder or "pipeline"
 
     def _encoder(self):
         """(the frozen image encoder, the model id keying its cached features)."""
-        p, guidance = self.params, self.run.config.guidance
+        p, guidance = self.params, self.run.guidance
         if p.encoder is not None:  # a ViT of its own: the guidance pipeline is not needed
             from fedguide.guidance.components import resolve_device, resolve_dtype
             from fedguide.guidance.vit_encoder import load_vit_encoder

@@ -312,10 +312,9 @@ class FedDifRC(Method):
         """Loads the guidance model and feature store, settles the fused dims and draws the bases' fit sample,
         noting each in the run's guidance record."""
         p, run = self.params, self.run
-        cfg = run.config
-        model, store = guidance_model(cfg.guidance), feature_store(cfg.guidance)
+        model, store = guidance_model(run.guidance), feature_store(run.guidance)
         record = GuidanceRecord(run, "feddifrc")
-        rebuild = cfg.guidance.rebuild and record.first
+        rebuild = run.guidance.rebuild and record.first
         layers = tuple(decoder_layer(level) for level in p.layers)
         if self.image_size is None:  # the pipeline's configs were not readable before the model was loaded
             self.image_size = loaded_input_size(run, p.image_size, PAPER_IMAGE_SIZE)
@@ -326,7 +325,7 @@ class FedDifRC(Method):
         fit_idx, fit_source = fit_sample(run, p.fit_samples, p.seed)
         record.note("basis_fit", fit_source, f"FedDifRC: PCA bases fitted on {fit_source}")
         record.note("condition_refresh", self.refresh)
-        fit_desc = {"data": data_recipe(cfg), "samples": digest(fit_idx), "count": int(len(fit_idx))}
+        fit_desc = {"data": data_recipe(run.data_settings), "samples": digest(fit_idx), "count": int(len(fit_idx))}
         return _Extraction(model, store, record, rebuild, layers, rows, fit_idx, fit_desc)
 
     def _settle_fused_dim(self, model: GuidanceModel, layers: tuple[str, ...], record: GuidanceRecord) -> None:

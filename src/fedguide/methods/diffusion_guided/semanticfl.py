@@ -164,18 +164,17 @@ class SemanticFL(Method):
 
     def setup(self):
         p, run = self.params, self.run
-        cfg = run.config
         if not (p.kd or p.con):
             return  # plain cross-entropy
-        model = guidance_model(cfg.guidance)
+        model = guidance_model(run.guidance)
         self.text = model.encode_text(tuple(class_prompts(run.data.splits.class_names))).pooled.float().cpu()
         if self.proj is None:  # a resumed run's server state is loaded after setup and replaces it
             self.proj = initial_projection(self.z_dim, self.text.shape[1], p.seed)
         if not p.kd:
             return
-        store = self.store = feature_store(cfg.guidance)
+        store = self.store = feature_store(run.guidance)
         record = GuidanceRecord(run, "semanticfl")
-        self.rebuild = cfg.guidance.rebuild and record.first
+        self.rebuild = run.guidance.rebuild and record.first
         fit_idx, fit_source = fit_sample(run, p.fit_samples, p.seed)
         self._check_capacity(model, len(fit_idx))
         if self.image_size is None:  # the pipeline's configs were not readable before the model was loaded
@@ -187,7 +186,7 @@ class SemanticFL(Method):
         self.prompts = [""] if p.visual_prompt == "empty" else class_prompts(run.data.splits.class_names)
         self.tokens = model.encode_text(tuple(self.prompts)).tokens
         record.note("basis_fit", fit_source, f"SemanticFL: PCA basis fitted on {fit_source}")
-        fit_desc = {"data": data_recipe(cfg), "samples": digest(fit_idx), "count": int(len(fit_idx)),
+        fit_desc = {"data": data_recipe(run.data_settings), "samples": digest(fit_idx), "count": int(len(fit_idx)),
                     "prompts": self.prompts}
 
         def batches():
@@ -255,7 +254,7 @@ class SemanticFL(Method):
         if self.learned:
 
             holder = _Holder(ctx.payload["text_proj"])
-            ctx.scratch["proj"] = (holder, make_optimizer(holder, self.local_train(self.run.config.train)))
+            ctx.scratch["proj"] = (holder, make_optimizer(holder, self.local_train(self.run.train)))
         if p.kd and p.extraction_site == "client":
             rows = np.sort(ctx.data.indices.numpy())
             features, seconds = timed(lambda: self._extract(rows, False))

@@ -219,16 +219,16 @@ class CentroidOneShot(Method):
 
     def __init__(self, params: CentroidParams, run):
         super().__init__(params, run)
-        facts = pipeline_facts(run.config.guidance)
+        facts = pipeline_facts(run.guidance)
         # Settled when the method is built (a process the pipeline lacks is refused by --dry-run); without
         # readable configs, once the model is loaded.
         self.process: Optional[str] = None if facts is None else resolve_process(params.noise_process, facts.unclip)
         self.condition_scale: Optional[float] = None
 
     def setup(self) -> None:
-        if self.run.config.clients.per_round != self.run.config.clients.num:
+        if self.run.clients.per_round != self.run.clients.num:
             raise ConfigError(f"{type(self).__name__} is one-shot: every client uploads in round 1; set "
-                              f"clients.per_round to clients.num ({self.run.config.clients.num})")
+                              f"clients.per_round to clients.num ({self.run.clients.num})")
         self.features = FrozenFeatures(self.run, self.params.feature_norm)
         self.prototypes: Optional[torch.Tensor] = None
         self.present: Optional[torch.Tensor] = None
@@ -283,7 +283,7 @@ class CentroidOneShot(Method):
             return {}
         feats = self.features.train(ctx.data.indices.numpy())
         pseudo = self.client_labels(feats, ctx)
-        seed = self.run.config.seed
+        seed = self.run.seed
         scale = ctx.payload.get("condition_scale")
         if scale is None and self.noise_process() == "unclip":
             raise ConfigError("noise_process=unclip noises at the embedding scale the server sends with its "
@@ -306,7 +306,7 @@ class CentroidOneShot(Method):
         """The server's linear head on the frozen encoder, trained on (features, labels) with the run's
         head settings and seed; returns (head state, final train loss)."""
         p = self.params
-        seed = derive_seed(self.run.config.seed, "model", HEAD_TAG)
+        seed = derive_seed(self.run.seed, "model", HEAD_TAG)
         head = new_head(self.features.dim, self.run.num_classes, seed)
         return train_head(head, features, labels, p.head_epochs, p.head_lr, p.head_batch_size, p.head_momentum,
                           p.head_weight_decay, torch.Generator().manual_seed(seed % 2 ** 31))

@@ -57,7 +57,7 @@ def labeled_set(run, unheld_per_class: int = 100) -> tuple[np.ndarray, str]:
         raise ConfigError("this method needs a labeled set on the server, and the run has none: use partition "
                           "semi_supervised (server_domain or server_fraction), set data.public_fraction > 0, or "
                           "leave training images to no client (data.fraction < 1)")
-    rng = numpy_rng(run.config.seed, "data", 1)
+    rng = numpy_rng(run.seed, "data", 1)
     keep = []
     for c in np.unique(labels[unheld]):
         members = unheld[labels[unheld] == c]
@@ -97,7 +97,7 @@ class FrozenFeatures:
 
     def __init__(self, run, norm: Optional[float] = None, batch_size: int = EMBED_BATCH):
         self.run = run
-        self.cfg = run.config.guidance
+        self.cfg = run.guidance
         self._norm = norm
         self.batch_size = batch_size
         self._memory: dict[tuple, torch.Tensor] = {}
@@ -173,7 +173,7 @@ class FrozenFeatures:
         from fedguide.guidance.shared import feature_store
         from fedguide.guidance.store import FeatureKey
 
-        data = self.run.config.data
+        data = self.run.data_settings
         params = {k: v for k, v in data.params_dict().items() if k != "root"}  # where the files sit is no recipe
         fkey = FeatureKey(model=self.encoder_id(), dataset=data.name, split=split,
                           recipe={"features": "image_embeds", "data": params, "indices": key[1], "count": len(indices)})

@@ -62,7 +62,7 @@ class HeadFederation(Method):
         return self._prototypes
 
     def initial_head(self) -> Head:
-        return new_head(self.features.dim, self.run.num_classes, derive_seed(self.run.config.seed, "model", HEAD_TAG))
+        return new_head(self.features.dim, self.run.num_classes, derive_seed(self.run.seed, "model", HEAD_TAG))
 
     def global_head(self) -> Head:
         if self.head is None:
@@ -77,7 +77,7 @@ class HeadFederation(Method):
         return {"head_weight": head["weight"], "head_bias": head["bias"], **self.extra_payload(round_)}
 
     def server_generator(self, round_: int, tag: int = SERVER_TAG) -> torch.Generator:
-        return torch.Generator().manual_seed(derive_seed(self.run.config.seed, "sampling", round_, tag) % 2 ** 63)
+        return torch.Generator().manual_seed(derive_seed(self.run.seed, "sampling", round_, tag) % 2 ** 63)
 
     # ---- client ----
     def client_start(self, ctx):
@@ -100,7 +100,7 @@ class HeadFederation(Method):
         return self.features.train(ctx.data.indices.numpy())
 
     def client_generator(self, ctx: ClientContext) -> torch.Generator:
-        return torch_generator(self.run.config.seed, "client", ctx.round, ctx.client_id, CLIENT_TAG)
+        return torch_generator(self.run.seed, "client", ctx.round, ctx.client_id, CLIENT_TAG)
 
     def client_train(self, head: Head, ctx: ClientContext) -> tuple[Head, float, float]:
         """(trained head, mean loss, aggregation weight)."""
@@ -113,7 +113,7 @@ class HeadFederation(Method):
 
     def train_supervised(self, head: Head, x: torch.Tensor, y: torch.Tensor, epochs: int, generator: torch.Generator,
                          lr: Optional[float] = None) -> tuple[Head, float]:
-        t = self.run.config.train
+        t = self.run.train
         return train_head(head, x, y, epochs, lr if lr is not None else t.lr, t.batch_size, t.momentum,
                           t.weight_decay, generator)
 

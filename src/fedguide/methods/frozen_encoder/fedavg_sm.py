@@ -30,6 +30,6 @@ class FedAvgSM(HeadFederation):
     def client_train(self, head, ctx):
         x = self.client_features(ctx)
         y = pseudo_labels(x, ctx.payload["prototypes"], ctx.payload["prototype_present"])
-        t = self.run.config.train
+        t = self.run.train
         trained, loss = self.train_supervised(head, x, y, t.epochs, self.client_generator(ctx))
         return trained, loss, float(len(x))

@@ -218,7 +218,7 @@ class FedDISC(CentroidOneShot):
         model, feats = self.features.model, self.features
         check_conditioning(model, feats.dim)
         t0 = time.perf_counter()
-        rng = np.random.default_rng(derive_seed(self.run.config.seed, "model", PAIRING_TAG))
+        rng = np.random.default_rng(derive_seed(self.run.seed, "model", PAIRING_TAG))
         plan = plan_generation(uploads, p.images_per_centroid, p.use_domain_features, p.min_cluster_size, rng)
         self.ensure_prototypes()
         cond_scale = self.condition_scale
@@ -226,7 +226,7 @@ class FedDISC(CentroidOneShot):
         level = {"noise_level": p.noise_level, "noised": True} if self.noise_process() == "unclip" else {}
         prompts = class_prompts(self.run.data.splits.class_names, p.prompt)
         cache = GenerationCache(self.run.run_dir / GENERATION_DIR)
-        guidance = self.run.config.guidance.model_dump(mode="json")
+        guidance = self.run.guidance.model_dump(mode="json")
         gen_feats, gen_labels, grid, grid_labels, grid_clients = [], [], [], [], []
         reused = 0  # images of batches a stopped run had finished (not counted in generation_seconds)
         with progress(len(plan.labels), "generating", enabled=len(plan.labels) >= PROGRESS_FROM) as advance:
@@ -240,7 +240,7 @@ class FedDISC(CentroidOneShot):
                     pairs = [(p.w_f, plan.centroids[part] * cond_scale)]
                     if plan.domain is not None:
                         pairs.append((p.w_g, plan.domain[part] * cond_scale))
-                    seed = derive_seed(self.run.config.seed, "model", GENERATION_TAG, j, chunk) % 2 ** 31
+                    seed = derive_seed(self.run.seed, "model", GENERATION_TAG, j, chunk) % 2 ** 31
                     config = SamplerConfig(scheduler=p.scheduler, steps=p.steps, guidance_scale=p.cfg_scale,
                                            eta=p.eta, batch_size=p.gen_batch_size, progress=False, seed=seed)
                     shown = max(p.sample_grid - sum(len(k) for k in kept), 0)

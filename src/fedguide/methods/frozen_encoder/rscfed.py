@@ -96,11 +96,11 @@ class RSCFed(HeadFederation):
     """RSCFed: mean-teacher clients, random sub-consensus with distance-reweighted aggregation."""
 
     def client_train(self, head, ctx):
-        p, t = self.params, self.run.config.train
+        p, t = self.params, self.run.train
         x = self.client_features(ctx)
         views = self.features.augmented_views(
             ctx.data.indices.numpy(), p.strong_views, strong_augment,
-            derive_seed(self.run.config.seed, "client", 0, ctx.client_id, VIEW_TAG) % 2 ** 31)
+            derive_seed(self.run.seed, "client", 0, ctx.client_id, VIEW_TAG) % 2 ** 31)
         state = ctx.state
         teacher = ({"weight": state["teacher_weight"].clone(), "bias": state["teacher_bias"].clone()}
                    if "teacher_weight" in state else {k: v.clone() for k, v in head.items()})
@@ -128,12 +128,12 @@ class RSCFed(HeadFederation):
     def server_update(self, round_, uploads):
         p = self.params
         idx, x, y = self.labeled()
-        server_head, _ = self.train_supervised(self.global_head(), x, y, self.run.config.train.epochs,
+        server_head, _ = self.train_supervised(self.global_head(), x, y, self.run.train.epochs,
                                                self.server_generator(round_))
         heads = [server_head] + [{"weight": u["head_weight"], "bias": u["head_bias"]} for u in uploads]
         sizes = [float(len(idx))] + [float(u["num_samples"]) for u in uploads]
         labeled = [True] + [False] * len(uploads)
-        rng = np.random.default_rng(derive_seed(self.run.config.seed, "sampling", round_, SUBSET_TAG))
+        rng = np.random.default_rng(derive_seed(self.run.seed, "sampling", round_, SUBSET_TAG))
         size = min(p.subset_size, len(heads))
         consensus = []
         for _ in range(p.subsets):

@@ -91,7 +91,7 @@ class SemiFL(HeadFederation):
         return out
 
     def _supervised(self, head, x, y, generator):
-        t, p = self.run.config.train, self.params
+        t, p = self.run.train, self.params
 
         def ce(params, idx):
             return F.cross_entropy(head_logits(params, x[idx]), y[idx])
@@ -101,7 +101,7 @@ class SemiFL(HeadFederation):
         return trained, loss
 
     def client_train(self, head, ctx):
-        p, t = self.params, self.run.config.train
+        p, t = self.params, self.run.train
         x = self.client_features(ctx)
         with torch.no_grad():
             y_all, confident = confident_pseudo_labels(head_logits(head, x), p.threshold)
@@ -110,9 +110,9 @@ class SemiFL(HeadFederation):
             return head, float("nan"), 0.0
         views = self.features.augmented_views(
             ctx.data.indices.numpy(), p.strong_views, strong_augment,
-            derive_seed(self.run.config.seed, "client", 0, ctx.client_id, VIEW_TAG) % 2 ** 31)
+            derive_seed(self.run.seed, "client", 0, ctx.client_id, VIEW_TAG) % 2 ** 31)
         gen = self.client_generator(ctx)
-        rng = np.random.default_rng(derive_seed(self.run.config.seed, "client", ctx.round, ctx.client_id, MIX_TAG))
+        rng = np.random.default_rng(derive_seed(self.run.seed, "client", ctx.round, ctx.client_id, MIX_TAG))
 
         def loss_fn(params, pos):
             rows = fix[pos]

@@ -131,10 +131,8 @@ class OneShotMethod(Method):
 
     def __init__(self, params: OneShotParams, run):
         super().__init__(params, run)
-        cfg = run.config
         self.spec = run.data.splits.model_spec()
-        self.global_arch = Architecture(cfg.model.name, MODELS.parse_params(cfg.model.name, cfg.model.params_dict(),
-                                                                            "model"), -1)
+        self.global_arch = Architecture(run.model_name, run.model_params, -1)
         self.archs = [self._architecture(i, entry) for i, entry in enumerate(params.client_models)]
         for arch in self.archs:
             if arch.position >= 0:
@@ -162,9 +160,9 @@ class OneShotMethod(Method):
         raise NotImplementedError
 
     def setup(self) -> None:
-        if self.run.config.train.rounds > 1 and self.params.progress:
-            print(f"note: {self.run.config.method.name} is one-shot: round 1 builds the global model, rounds 2-"
-                  f"{self.run.config.train.rounds} are idle (set train.rounds: 1)", file=sys.stderr, flush=True)
+        if self.run.train.rounds > 1 and self.params.progress:
+            print(f"note: {self.run.method_name} is one-shot: round 1 builds the global model, rounds 2-"
+                  f"{self.run.train.rounds} are idle (set train.rounds: 1)", file=sys.stderr, flush=True)
 
     # ---- architectures -----------------------------------------------------------------------------
     def arch_of(self, client_id: int) -> Architecture:
@@ -178,7 +176,7 @@ class OneShotMethod(Method):
                 model = self.run.make_model()
                 self.run.layout.load(model, self.run.initial_weights)
             else:
-                torch.manual_seed(derive_seed(self.run.config.seed, "model", arch.position + 1))
+                torch.manual_seed(derive_seed(self.run.seed, "model", arch.position + 1))
                 # drawn on the host, then moved: the same initialisation on every device (as run.make_model)
                 model = build_model(arch.name, arch.params, self.spec).to(self.run.device)
         return model
@@ -245,7 +243,7 @@ class OneShotMethod(Method):
             accs = []
             for m in teachers.values():
                 layout = WeightLayout.of(m)
-                evaluator = Evaluator(m, layout, splits.test_x, splits.test_y, self.run.config.train.eval_batch_size,
+                evaluator = Evaluator(m, layout, splits.test_x, splits.test_y, self.run.train.eval_batch_size,
                                       device_data=self.run.device_data)
                 accs.append(evaluator.evaluate(layout.flatten(m))["accuracy"])
                 frozen(m)  # evaluate() loads the weights in place; keep the model frozen

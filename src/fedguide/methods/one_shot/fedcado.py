@@ -244,7 +244,7 @@ class FedCADO(OneShotMethod):
 
     def setup(self) -> None:
         # before any client trains: generated images must be able to reach the classifiers
-        check_image_data(self.run.data.splits, self.run.config.method.name)
+        check_image_data(self.run.data.splits, self.run.method_name)
         super().setup()
 
     # ---- round 1 ----------------------------------------------------------------------------------
@@ -259,11 +259,11 @@ class FedCADO(OneShotMethod):
         y = synthetic.labels
         targets = self.targets(synthetic, teachers) if teachers else None
         student = self.fresh_global()
-        train = run.config.train
+        train = run.train
         optimizer = sgd(student, p.agg_lr, train.momentum, train.weight_decay)
         loss = train_on_labeled(student, synthetic.inputs, y, targets, p.agg_epochs,
                                 p.agg_batch_size or train.batch_size, optimizer,
-                                server_generator(run.config.seed, 0), p.distill_weight, p.temperature, p.kl_direction)
+                                server_generator(run.seed, 0), p.distill_weight, p.temperature, p.kl_direction)
         self.stats.update({"synthetic_images": len(synthetic), "aggregation_loss": loss})
         return run.layout.flatten(student)
 
@@ -292,11 +292,11 @@ class FedCADO(OneShotMethod):
         recipe = {
             "method": "classifier-guided" if self.guided else "text-only",
             "guidance_model": model.model_id, "dtype": str(model.dtype),
-            "dataset": self.run.config.data.name, "class_names": list(splits.class_names),
+            "dataset": self.run.data_settings.name, "class_names": list(splits.class_names),
             "input_shape": list(splits.input_shape), "pixel_stats": str(splits.pixel_stats),
             "prompt": p.prompt, "scheduler": p.scheduler, "steps": p.steps, "cfg_scale": p.cfg_scale,
             "batch_size": p.gen_batch_size,
-            "seed": generation_seed(self.run.config.seed, client_id), "images_per_class": p.images_per_class,
+            "seed": generation_seed(self.run.seed, client_id), "images_per_class": p.images_per_class,
             "client": client_id, "classes": classes,
         }
         if self.guided:
@@ -314,7 +314,7 @@ class FedCADO(OneShotMethod):
                              loss_scale=getattr(p, "classifier_scale", 1.0),
                              edit_steps=p.edit_steps if (self.guided and edit) else 0,
                              edit_lr=getattr(p, "edit_lr", 0.1), batch_size=p.gen_batch_size,
-                             seed=generation_seed(self.run.config.seed, client_id), progress=p.progress,
+                             seed=generation_seed(self.run.seed, client_id), progress=p.progress,
                              first_index=first_index)
 
     def sample_client(self, model, client_id: int, teacher, prompts: list[str], labels: torch.Tensor,
@@ -345,7 +345,7 @@ class FedCADO(OneShotMethod):
         from fedguide.guidance.shared import class_prompts, guidance_model
 
         run, p = self.run, self.params
-        model = guidance_model(run.config.guidance)
+        model = guidance_model(run.guidance)
         store = SyntheticStore.of_run(run.run_dir)
         weights = {int(u["client_id"]): u.get("weights") for u in uploads}
         jobs = []
@@ -358,7 +358,7 @@ class FedCADO(OneShotMethod):
         prompts = class_prompts(run.data.splits.class_names, p.prompt)
         synthetic, stats = generate_set(store, jobs, lambda labels: [prompts[c] for c in labels], p.images_per_class,
                                         p.chunk, run.data.splits, p.pixel_format, verbose=p.progress)
-        store.write_index(synthetic, {"method": run.config.method.name,
+        store.write_index(synthetic, {"method": run.method_name,
                                       "class_names": list(run.data.splits.class_names), "num_clients": run.num_clients,
                                       "guidance_model": model.model_id, **stats.metrics()})
         self.stats.update(stats.metrics())

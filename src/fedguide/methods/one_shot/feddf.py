@@ -205,7 +205,7 @@ class FedDF(OneShotMethod):
             return distillation_loss(model(x[idx]), targets[idx], p.temperature)
 
         loss = fit(student, len(x), batch_loss, torch.optim.Adam(student.parameters(), lr=p.distill_lr),
-                   p.distill_batch_size, server_generator(run.config.seed, 1), steps=p.distill_steps)
+                   p.distill_batch_size, server_generator(run.seed, 1), steps=p.distill_steps)
         self.stats.update({"public_images": int(len(x)), "distillation_loss": loss,
                            "fedavg_start_clients": len(own_arch)})
         return run.layout.flatten(student)

@@ -115,9 +115,9 @@ class FedALA(Method):
     def _batches(self, ctx: ClientContext) -> list:
         n = len(ctx.data)
         m = max(1, int(self.params.rand_percent / 100 * n))
-        gen = torch_generator(self.run.config.seed, "client", ctx.round, ctx.client_id, ALA_TAG)
+        gen = torch_generator(self.run.seed, "client", ctx.round, ctx.client_id, ALA_TAG)
         subset = ctx.data.indices[torch.randperm(n, generator=gen)[:m]]
-        size = self.run.config.train.batch_size
+        size = self.run.train.batch_size
         whole = [subset[s: s + size] for s in range(0, m - size + 1, size)] or [subset]
         return [batch_at(ctx, b) for b in whole]
 

@@ -73,7 +73,7 @@ class FedBABU(Method):
                                     [u["num_samples"] for u in uploads])
 
     def personal_model(self, round_, client_id, global_weights):
-        train = self.run.config.train
+        train = self.run.train
         train = train.model_copy(update={"epochs": self.params.finetune_epochs, "local_steps": None,
                                          "lr": self.params.finetune_lr or train.lr})
         return fine_tune(self.run, client_id, round_, global_weights, train, self.params.finetune_part)

@@ -132,7 +132,7 @@ class FedNH(Method):
 
     def init_global(self, weights):
         c, d = self.run.num_classes, self.run.model.feature_dim
-        seed = derive_seed(self.run.config.seed, "model", PROTOTYPE_SEED_KEY)
+        seed = derive_seed(self.run.seed, "model", PROTOTYPE_SEED_KEY)
         if self.params.init == "spread":
             protos = spread_prototypes(c, d, seed, steps=self.params.init_steps)
         else:
@@ -160,7 +160,7 @@ class FedNH(Method):
             holder = nn.Module()
             holder.scale = nn.Parameter(ctx.payload["scale"].detach().clone().reshape(()))
             ctx.scratch["scale"] = holder.scale
-            ctx.scratch["scale_opt"] = make_optimizer(holder, self.run.config.train)
+            ctx.scratch["scale_opt"] = make_optimizer(holder, self.run.train)
 
     def local_optimizers(self, ctx):
         # the learned scale steps with the model, through the loop (fp16: unscaled and skipped on overflow)
@@ -174,7 +174,7 @@ class FedNH(Method):
         return F.cross_entropy(cosine_logits(model.encoder(x), ctx.scratch["protos"], scale), y)
 
     def client_upload(self, model, ctx):
-        means, counts = class_feature_means(model, ctx.data, self.run.config.train.eval_batch_size, normalize=True,
+        means, counts = class_feature_means(model, ctx.data, self.run.train.eval_batch_size, normalize=True,
                                             fetch=ctx.batch)
         upload = {"weights": self.run.layout.flatten(model), "num_samples": len(ctx.data),
                   "class_means": means, "class_counts": counts}

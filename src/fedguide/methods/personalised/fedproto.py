@@ -159,7 +159,7 @@ class FedProto(Method):
         return loss + self.params.lam * reg
 
     def client_upload(self, model, ctx):
-        means, counts = class_feature_means(model, ctx.data, self.run.config.train.eval_batch_size, ctx.batch)
+        means, counts = class_feature_means(model, ctx.data, self.run.train.eval_batch_size, ctx.batch)
         upload = {"protos": means, "class_counts": counts, "num_samples": len(ctx.data)}
         weights = self.run.layout.flatten(model)
         if self.params.share_weights:

@@ -118,8 +118,8 @@ class PerFedAvg(Method):
         model.train()
         params = [q for q in model.parameters() if q.requires_grad]
         ctx = ClientContext(client_id, round_, run.data.client(client_id), {}, {}, device_data=run.device_data)
-        stream = batch_stream(ctx.data.indices, run.config.train.batch_size,
-                              torch_generator(run.config.seed, "personal", round_, client_id),
+        stream = batch_stream(ctx.data.indices, run.train.batch_size,
+                              torch_generator(run.seed, "personal", round_, client_id),
                               2 if has_batchnorm(model) else 1)
         with torch.random.fork_rng(devices=[]):
             for _ in range(self.params.personal_steps):
