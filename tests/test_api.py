@@ -109,3 +109,10 @@ def test_the_example_runs_and_writes_its_table_plot_and_report(tmp_path, monkeyp
     for method in ("fedavg", "fedprox"):
         s = json.loads((out / f"name={method}" / "summary.json").read_text())
         assert s["rounds"] == 2 and s["method"] == method
+
+
+def test_a_sweep_says_whose_round_each_line_is(tmp_path):
+    lines = []
+    fedguide.sweep(RAW, ["seed=0,1"], {"train.rounds": 1}, out=tmp_path, log=lines.append)
+    rounds = [line for line in lines if "round   1/1" in line]
+    assert [line.split("  round")[0] for line in rounds] == ["[1/2] seed=0", "[2/2] seed=1"]

@@ -107,8 +107,10 @@ def default_run_dir(stem: str, method: str, seed: int) -> Path:
 
 
 def final_line(summary: dict[str, Any], run_dir: Path) -> str:
-    return (f"final accuracy {100 * summary['final_accuracy']:.2f}%  (best {100 * summary['best_accuracy']:.2f}% at "
-            f"round {summary['best_round']})  {summary['wall_seconds']:.0f} s  -> {run_dir}")
+    """How a run ended, led by the number to compare runs by: the mean over its last k rounds."""
+    return (f"last-{summary['last_k']} accuracy {100 * summary['accuracy_last_k']:.2f}%  final "
+            f"{100 * summary['final_accuracy']:.2f}%  (best {100 * summary['best_accuracy']:.2f}% at round "
+            f"{summary['best_round']})  {summary['wall_seconds']:.0f} s  -> {run_dir}")
 
 
 def _execute(prepared: Any, folder: Any, resume: bool, observer: Observer, hint: Optional[str] = None) -> dict:
@@ -225,8 +227,11 @@ def sweep(config: ConfigLike, axes: Union[Mapping[str, Any], Sequence[str]], ove
         folder = RunFolder(r.run_dir)
         folder.check_writable()
         say.log(f"{head}: {'continuing' if r.state == 'unfinished' else 'starting'} -> {r.run_dir}")
+        # Round lines say whose they are: several runs' lines follow one another in one log.
+        this = Observer(say.log, say.progress, rounds=lambda line, head=head: say.rounds(f"{head}  {line}"))
         try:
-            summary = _execute(prepare(r.config), folder, r.state == "unfinished", say, hint=f"continue the sweep: {again}")
+            summary = _execute(prepare(r.config), folder, r.state == "unfinished", this,
+                               hint=f"continue the sweep: {again}")
         except FloatingPointError as err:  # stopped.json records it; the record's status says diverged
             warnings.warn(f"{r.combination.label}: {err}", RuntimeWarning, stacklevel=2)
             continue

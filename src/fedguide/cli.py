@@ -98,7 +98,7 @@ def cmd_resume(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from fedguide.api import default_run_dir
+    from fedguide.api import default_run_dir, final_line
     from fedguide.config import load_config
     from fedguide.fl.run_folder import RunFolder
     from fedguide.fl.flower.deploy import serve
@@ -126,9 +126,7 @@ def cmd_serve(args) -> int:
     except WorkerCrashed as err:
         hint = f"\ncontinue with: fedguide serve --resume {run_dir}" if (run_dir / "config.yaml").exists() else ""
         raise WorkerCrashed(f"{err}{hint}") from None
-    console.print(f"final accuracy {100 * summary['final_accuracy']:.2f}%  "
-                  f"(best {100 * summary['best_accuracy']:.2f}% at round {summary['best_round']})  "
-                  f"{summary['wall_seconds']:.0f} s  -> {run_dir}")
+    console.print(final_line(summary, run_dir), markup=False)
     return 0
 
 

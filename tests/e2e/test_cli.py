@@ -15,7 +15,11 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def test_smoke_config_writes_the_run_directory_contract(tmp_path):
     run = tmp_path / "smoke"
     out = cli("run", str(REPO / "configs/smoke.yaml"), "--out", str(run))
-    assert "final accuracy" in out.stdout
+    last = out.stdout.strip().splitlines()[-1]
+    done = summary(run)
+    # The final line leads with the number runs are compared by.
+    assert last.startswith(f"last-{done['last_k']} accuracy {100 * done['accuracy_last_k']:.2f}%  final "
+                           f"{100 * done['final_accuracy']:.2f}%")
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["seed"] == 0 and cfg["method"]["name"] == "fedavg"
