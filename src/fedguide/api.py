@@ -241,5 +241,6 @@ def sweep(config: ConfigLike, axes: Union[Mapping[str, Any], Sequence[str]], ove
 
 def write_report(runs: Iterable[Union[RunRecord, str, Path]], out: Union[str, Path, None] = None) -> ReportResult:
     """``fedguide report`` over run records or folders: report.md and the plots into ``out`` (default:
-    the run's plots/ for one run, a new report-<time>/ beside the first run for several)."""
+    the run's plots/ for one run, report/ beside the first run for several, replacing the report written there
+    before)."""
     return report([r.path if isinstance(r, RunRecord) else Path(r) for r in runs], out)

@@ -187,6 +187,8 @@ def _print_report(paths: list[Path], out: Optional[Path], console, options=None)
     print(result.table)
     if result.paired:
         print(result.paired)
+    if result.paired_path:
+        console.print(f"paired: {result.paired_path}")
     console.print(f"report: {result.markdown_path}")
     if result.table_path:
         console.print(f"table:  {result.table_path}")
@@ -205,7 +207,7 @@ def cmd_report(args) -> int:
     from fedguide.report import ReportOptions
 
     options = ReportOptions(vs=args.vs, rows=args.rows, cols=args.cols, metric=args.metric, fmt=args.format,
-                            last_k=args.last_k, rounds_to=args.rounds_to)
+                            last_k=args.last_k, rounds_to=args.rounds_to, keep_previous=args.keep_previous)
     _print_report(args.run_dirs, args.out, _console(), options)
     return 0
 
@@ -293,6 +295,9 @@ def _add_results(sub) -> None:
                      help="average every run over its last K rounds instead of its own report.last_k")
     rep.add_argument("--rounds-to", dest="rounds_to", type=_marks, default=None, metavar="A,B,...",
                      help="accuracy marks of the rounds-to-accuracy table (default: those the runs recorded)")
+    rep.add_argument("--keep-previous", dest="keep_previous", action="store_true",
+                     help="keep a report written before into the same folder, as report-<its time>/ beside it "
+                          "(default: the new report replaces it)")
     rep.set_defaults(func=cmd_report)
 
 

@@ -58,11 +58,20 @@ def test_report_of_a_sweep_twice_through_the_command_line(sweep, capsys):
     # The report folder the first call wrote into the sweep folder is not a run.
     assert main(["report", str(sweep), "--rows", "method", "--format", "csv", "--vs", "fedavg"]) == 0
     out = capsys.readouterr().out
-    rows = list(csv.reader(io.StringIO(out.split("\n\n")[0])))
-    assert rows[0] == ["method", "accuracy_last_k", "accuracy_last_k std", "a", "a std", "b", "b std"]
+    pivot, paired = out.split("\n\n")[:2]
+    rows = list(csv.reader(io.StringIO(pivot)))
+    assert rows[0] == ["method", "last-k acc %", "last-k acc % std", "a", "a std", "b", "b std"]
     assert rows[1][0] == "fedavg" and float(rows[1][1]) == pytest.approx(40.0)  # seeds 0, 1: 0.35, 0.45
-    assert "Δ last-k acc pp" in out and "seed 1: only fedavg" in out
-    assert len(list(sweep.glob("report-*"))) == 3
+    # --vs in the format asked for: a CSV of plain numbers, also written beside the pivot.
+    paired_rows = list(csv.reader(io.StringIO(paired)))
+    assert paired_rows[0][4:7] == ["Δ last-k acc pp [95 % CI]", "Δ last-k acc pp [95 % CI] low",
+                                   "Δ last-k acc pp [95 % CI] high"]
+    assert "seed 1: only fedavg" in paired_rows[1][-1]
+    assert (sweep / "report" / "paired.csv").read_text() == paired + "\n"
+    # Reported again, the sweep's report/ is replaced, not joined by another folder; --keep-previous keeps it.
+    assert sorted(p.name for p in sweep.glob("report*")) == ["report", "report-20250101-120000"]
+    assert main(["report", str(sweep), "--keep-previous"]) == 0
+    assert len(list(sweep.glob("report-*"))) == 2 and (sweep / "report" / "report.md").is_file()
 
 
 def test_command_line_errors_are_one_sentence(sweep, capsys):

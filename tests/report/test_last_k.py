@@ -101,8 +101,22 @@ def test_rounds_to_table_uses_the_recorded_marks_or_those_asked_for(tmp_path):
     assert "rounds to 20 %" in header and "rounds to 30 %" in header and "rounds to 40 %" in header
     assert "rounds to 50 %" not in header  # the runs recorded 0.2, 0.3, 0.4 (FedDifRC Table 12), not the defaults
     # seed 0 reaches 20 % at round 2, 30 % at 2, 40 % at 4; seed 1 reaches 20 % at 4, 30 % at 8, 40 % never.
-    assert table_rows(text)[0][3:] == ["3", "5", "4 (1/2)"]
-    assert table_rows(rounds_to_table(runs, [0.65]))[0][3:] == ["10 (1/2)"]
+    assert table_rows(text)[0][3:] == ["3", "5", "4 (1/2 seeds)"]
+    assert table_rows(rounds_to_table(runs, [0.65]))[0][3:] == ["10 (1/2 seeds)"]
     assert table_rows(rounds_to_table(runs, [0.9]))[0][3:] == ["—"]
     md = report(runs, tmp_path / "out").markdown
     assert "## Rounds to accuracy" in md and "rounds to 40 %" in md
+
+
+def test_a_mean_over_seeds_of_rounds_is_shown_to_one_decimal(tmp_path):
+    runs = [make_run(tmp_path, f"s{s}", "fedavg", s, curve=c)
+            for s, c in enumerate(([0.1, 0.6, 0.7], [0.1, 0.2, 0.6], [0.1, 0.2, 0.6]))]
+    assert table_rows(rounds_to_table(runs, [0.5]))[0][3:] == ["2.7"]  # rounds 2, 3, 3: not 2.66667
+
+
+def test_a_window_longer_than_the_runs_is_refused_not_shortened(tmp_path):
+    runs = [make_run(tmp_path, f"s{s}", "fedavg", s, curve=[0.1, 0.2, 0.3]) for s in range(2)]
+    with pytest.raises(ValueError, match=r"--last-k 4 exceeds the 3 evaluated rounds of 2 of the runs; write "
+                                         r"--last-k 3 or fewer"):
+        results_table(runs, last_k=4)
+

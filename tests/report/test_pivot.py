@@ -48,7 +48,7 @@ def test_pivot_takes_per_domain_columns_and_other_metrics(grid):
     assert first[1].mean == pytest.approx(0.53) and first[2].mean == pytest.approx(0.62)
     assert first[5].mean == pytest.approx(0.62) and first[6].mean == pytest.approx(0.31)  # domain b = acc / 2
     best = pivot_data(grid, "method", metric="best")  # one column: the metric
-    assert best.columns[:2] == ["method", "best accuracy"] and best.rows[0][1].mean == pytest.approx(0.53)
+    assert best.columns[:2] == ["method", "best acc %"] and best.rows[0][1].mean == pytest.approx(0.53)
 
 
 def test_per_client_columns_where_the_runs_report_them(tmp_path):
@@ -56,7 +56,7 @@ def test_per_client_columns_where_the_runs_report_them(tmp_path):
                  metrics_extra={"client_accuracy_min": 0.25, "client_accuracy_max": 0.75,
                                 "client_class_accuracy": {"0": 0.3, "1": 0.6}})
     table = pivot_data([d], "method")
-    assert table.columns == ["method", "accuracy_last_k", "a", "b", "client 0", "client 1", "client min",
+    assert table.columns == ["method", "last-k acc %", "a", "b", "client 0", "client 1", "client min",
                              "client max"]
     assert [c.mean for c in table.rows[0][1:]] == pytest.approx([0.40, 0.40, 0.20, 0.3, 0.6, 0.25, 0.75])
 

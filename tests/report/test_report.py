@@ -92,14 +92,16 @@ def test_plots_are_valid_pngs(runs, tmp_path):
 
 def test_report_several_runs(runs, tmp_path):
     res = report(runs)
-    assert res.out_dir.parent == tmp_path and re.fullmatch(r"report-\d{8}-\d{6}", res.out_dir.name)
+    assert res.out_dir == tmp_path / "report"
     assert res.markdown_path == res.out_dir / "report.md" and res.markdown_path.read_text() == res.markdown
     assert "82.00 ± 2.83" in res.markdown and "incomplete, 3/5 rounds" in res.markdown
     assert "accuracy_curves.png" in res.markdown
     assert all(p.is_file() and p.read_bytes()[:8] == PNG_MAGIC for p in res.plot_paths)
 
-    again = report(runs)  # a second report in the same second must not overwrite the first
-    assert again.out_dir != res.out_dir and res.markdown_path.exists()
+    (res.out_dir / "partition_gone.png").write_bytes(PNG_MAGIC)  # a plot the runs no longer make
+    again = report(runs)  # the same runs reported again: their report is replaced, nothing stale stays
+    assert again.out_dir == res.out_dir and not (res.out_dir / "partition_gone.png").exists()
+    assert sorted(p.name for p in res.out_dir.iterdir()) == sorted(p.name for p in again.paths)
 
 
 def test_report_single_run_defaults_to_plots_dir(runs):

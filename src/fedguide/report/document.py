@@ -11,7 +11,7 @@ from fedguide.core.atomic import write_text
 from fedguide.report.discover import find_run_dirs, is_run_dir
 from fedguide.report.formats import EXTENSIONS, FORMATS, render
 from fedguide.report.measures import check_metric
-from fedguide.report.paired import paired_table
+from fedguide.report.paired import paired_data
 from fedguide.report.pivot import pivot_data
 from fedguide.report.plots import ACCURACY_PNG, make_plots, partition_plan
 from fedguide.report.runs import RunRecord, load_run
@@ -31,6 +31,7 @@ class ReportOptions:
     fmt: str = "md"  # the printed table (the pivot, else the results table): md, csv or latex
     last_k: Optional[int] = None  # one window for every run instead of each run's own
     rounds_to: Optional[list[float]] = None  # accuracy marks instead of those the runs recorded
+    keep_previous: bool = False  # a report written before into the same folder is kept as report-<its time>/
 
     def check(self) -> None:
         check_metric(self.metric)
@@ -54,26 +55,47 @@ class ReportResult:
     runs: list[RunRecord] = field(default_factory=list)
     table: str = ""  # the pivot (or, without one, the results table) in the format asked for
     table_path: Optional[Path] = None  # that table as a file (pivot.md/.csv/.tex, results.csv/.tex)
-    paired: str = ""  # the --vs table (Markdown), empty without --vs
+    paired: str = ""  # the --vs table in the format asked for, empty without --vs
+    paired_path: Optional[Path] = None  # that table as a file (paired.csv/.tex) outside Markdown
 
     @property
     def paths(self) -> list[Path]:
-        return [self.markdown_path, *([self.table_path] if self.table_path else []), *self.plot_paths]
+        return [self.markdown_path, *([self.table_path] if self.table_path else []),
+                *([self.paired_path] if self.paired_path else []), *self.plot_paths]
 
 
-def default_out_dir(run_paths: list[Path], now: datetime | None = None, given: Path | None = None) -> Path:
-    """One run: its own plots/ (the report belongs to it). Several: a fresh report-<timestamp>/ in the
-    folder ``given`` first when that is a folder of runs (a sweep's), else beside the first run, so reports
-    over different run sets never overwrite each other."""
+def default_out_dir(run_paths: list[Path], given: Path | None = None) -> Path:
+    """One run: its own plots/ (the report belongs to it). Several: report/ in the folder ``given`` first when
+    that is a folder of runs (a sweep's), else beside the first run. The same runs reported again replace
+    their report (``keep_previous`` keeps the old one beside it)."""
     if len(run_paths) == 1:
         return run_paths[0] / "plots"
-    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
     home = given if given is not None and not is_run_dir(given) else run_paths[0].resolve().parent
-    base = home / f"report-{stamp}"
-    candidate, i = base, 2
-    while candidate.exists():  # two reports within the same second
-        candidate, i = base.with_name(f"{base.name}-{i}"), i + 1
-    return candidate
+    return home / "report"
+
+
+def set_aside(out_dir: Path) -> Optional[Path]:
+    """Move a report written before into ``out_dir`` to ``report-<its time>/`` beside it; where it went."""
+    md = out_dir / REPORT_MD
+    if not md.is_file():
+        return None
+    stamp = datetime.fromtimestamp(md.stat().st_mtime).strftime("%Y%m%d-%H%M%S")
+    target, i = out_dir.with_name(f"{out_dir.name}-{stamp}"), 2
+    while target.exists():
+        target, i = out_dir.with_name(f"{out_dir.name}-{stamp}-{i}"), i + 1
+    out_dir.rename(target)
+    return target
+
+
+def clear_report(out_dir: Path) -> None:
+    """Remove what a previous report wrote into ``out_dir`` (its Markdown, tables and plots), so a plot the
+    new runs no longer make does not stay behind looking current; other files are left alone."""
+    if not out_dir.is_dir():
+        return
+    for path in out_dir.iterdir():
+        if path.is_file() and (path.name == REPORT_MD or path.suffix in (".png", ".csv", ".tex")
+                               or path.name in ("pivot.md", "results.md")):
+            path.unlink()
 
 
 def _rel(path: Path, start: Path) -> str:
@@ -180,12 +202,16 @@ def report(paths: Iterable[str | Path], out: str | Path | None = None, options: 
     runs = [load_run(p) for p in run_paths]
     # Computed before anything is written: a bad --vs or --rows leaves no half-made report folder.
     pivot = pivot_data(runs, opts.rows, opts.cols, opts.metric, opts.last_k) if opts.rows else None
-    paired = paired_table(runs, opts.vs, opts.last_k) if opts.vs else ""
+    paired = paired_data(runs, opts.vs, opts.last_k) if opts.vs else None
 
     out_dir = Path(out) if out is not None else default_out_dir(run_paths, given=Path(paths[0]))
+    if opts.keep_previous:
+        set_aside(out_dir)
+    clear_report(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_paths = make_plots(runs, out_dir)
-    markdown = render_markdown(runs, out_dir, plot_paths, opts, render(pivot, "md") if pivot else "", paired)
+    markdown = render_markdown(runs, out_dir, plot_paths, opts, render(pivot, "md") if pivot else "",
+                               render(paired, "md") if paired else "")
     md_path = out_dir / REPORT_MD
     write_text(md_path, markdown)
     table = render(pivot if pivot is not None else results_data(runs, opts.last_k), opts.fmt)
@@ -193,5 +219,9 @@ def report(paths: Iterable[str | Path], out: str | Path | None = None, options: 
     if pivot is not None or opts.fmt != "md":
         table_path = out_dir / f"{'pivot' if pivot is not None else 'results'}.{EXTENSIONS[opts.fmt]}"
         write_text(table_path, table)
+    paired_text, paired_path = render(paired, opts.fmt) if paired else "", None
+    if paired is not None and opts.fmt != "md":
+        paired_path = out_dir / f"paired.{EXTENSIONS[opts.fmt]}"
+        write_text(paired_path, paired_text)
     return ReportResult(out_dir=out_dir, markdown_path=md_path, plot_paths=plot_paths, markdown=markdown, runs=runs,
-                        table=table, table_path=table_path, paired=paired)
+                        table=table, table_path=table_path, paired=paired_text, paired_path=paired_path)

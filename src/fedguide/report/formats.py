@@ -42,7 +42,19 @@ class Num:
     fmt: str = ".2f"
 
 
-Cell = Union[str, int, float, None, Stat, Num]
+@dataclass(frozen=True)
+class Delta:
+    """A paired difference (fractions) with its interval; shown in signed percentage points, "mean [lo, hi]"."""
+
+    mean: float | None
+    interval: tuple[float, float] | None = None
+
+
+Cell = Union[str, int, float, None, Stat, Num, Delta]
+
+
+def _pp(v: float) -> str:
+    return f"{v * 100:+.2f}"
 
 
 @dataclass
@@ -79,6 +91,10 @@ def _md_text(c: Cell) -> str:
         return f"**{text}**" if c.bold else text
     if isinstance(c, Num):
         return "n/a" if c.value is None else format(c.value, c.fmt)
+    if isinstance(c, Delta):
+        if c.mean is None:
+            return "n/a"
+        return f"{_pp(c.mean)} [{_pp(c.interval[0])}, {_pp(c.interval[1])}]" if c.interval else f"{_pp(c.mean)} [n/a]"
     return "n/a" if c is None else str(c)
 
 
@@ -103,12 +119,19 @@ def _csv_number(v: float | None, scale: float = 1.0) -> str:
 
 
 def to_csv(table: Table) -> str:
-    """Plain numbers: an accuracy column becomes "<name>" (mean, %) and "<name> std" (%), empty when
-    undefined; nothing is bold and there are no footnotes."""
+    """Plain numbers: an accuracy column becomes "<name>" (mean, %) and "<name> std" (%), a paired difference
+    "<name>", "<name> low", "<name> high" (percentage points), empty when undefined; nothing is bold and there
+    are no footnotes."""
     stat_cols = {j for j in range(len(table.columns)) if any(isinstance(r[j], Stat) for r in table.rows)}
+    delta_cols = {j for j in range(len(table.columns)) if any(isinstance(r[j], Delta) for r in table.rows)}
     header: list[str] = []
     for j, name in enumerate(table.columns):
-        header += list(table.csv_names.get(j, (name, f"{name} std"))) if j in stat_cols else [name]
+        if j in stat_cols:
+            header += list(table.csv_names.get(j, (name, f"{name} std")))
+        elif j in delta_cols:
+            header += [name, f"{name} low", f"{name} high"]
+        else:
+            header.append(name)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)
@@ -118,6 +141,10 @@ def to_csv(table: Table) -> str:
             if j in stat_cols:
                 out += ([_csv_number(c.mean, 100), _csv_number(c.std, 100)] if isinstance(c, Stat)
                         else [_csv_text(c), ""])
+            elif j in delta_cols:
+                lo, hi = c.interval if isinstance(c, Delta) and c.interval else (None, None)
+                out += ([_csv_number(c.mean, 100), _csv_number(lo, 100), _csv_number(hi, 100)] if isinstance(c, Delta)
+                        else [_csv_text(c), "", ""])
             else:
                 out.append(_csv_text(c))
         writer.writerow(out)

@@ -12,7 +12,9 @@ from typing import Iterable
 from fedguide.report.runs import RunRecord, last_k_mean
 
 METRICS = ("last_k", "final", "best")
-METRIC_NAMES = {"last_k": "accuracy_last_k", "final": "final accuracy", "best": "best accuracy"}
+# Column names of a cell's statistic: the cells are percentages (summary.json holds the same under
+# accuracy_last_k, final_accuracy and best_accuracy as fractions).
+METRIC_NAMES = {"last_k": "last-k acc %", "final": "final acc %", "best": "best acc %"}
 
 
 def check_metric(metric: str) -> str:
@@ -29,8 +31,13 @@ def common_k(runs: Iterable[RunRecord], override: int | None = None) -> int:
     if override is not None:
         if override < 1:
             raise ValueError(f"--last-k {override} is not a positive number of rounds; write e.g. --last-k 10")
-        # Never more than the rounds evaluated, so the k shown is the k averaged over.
-        return min(override, max((len(r.accuracy_series()[1]) for r in runs), default=override))
+        # A window longer than a run would average that run over fewer rounds than the k the table shows.
+        short = sorted({n for r in runs if (n := len(r.accuracy_series()[1])) < override})
+        if short:
+            raise ValueError(f"--last-k {override} exceeds the {short[0]} evaluated rounds of "
+                             f"{sum(len(r.accuracy_series()[1]) < override for r in runs)} of the runs; write "
+                             f"--last-k {short[0]} or fewer, or report those runs apart")
+        return override
     ks = [r.last_k for r in runs]
     return max(ks) if ks else 0
 

@@ -16,9 +16,10 @@ from typing import Iterable
 import numpy as np
 
 from fedguide.config import flat_keys
+from fedguide.report.formats import Delta, Table, render
 from fedguide.report.measures import common_k
 from fedguide.report.runs import RunRecord, as_records
-from fedguide.report.tables import NOT_SETTINGS, _cell, _under, describe_settings, differing_settings, method_labels
+from fedguide.report.tables import NOT_SETTINGS, _under, describe_settings, differing_settings, method_labels
 
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
@@ -182,19 +183,23 @@ def paired_footnote(vs: str) -> str:
             "runs over the same last k rounds. Unpaired seeds are named and not used.")
 
 
-def paired_table(runs: Iterable[RunRecord | str | Path], vs: str, last_k: int | None = None) -> str:
-    """Markdown table of ``paired_comparisons`` with the footnote that says what the interval is."""
+def paired_data(runs: Iterable[RunRecord | str | Path], vs: str, last_k: int | None = None) -> Table:
+    """``paired_comparisons`` as a table, rendered like every other (Markdown with its footnote, CSV with the
+    means and interval bounds as plain numbers in percentage points, a LaTeX tabular)."""
     comparisons = paired_comparisons(runs, vs, last_k)
-    ref = vs
-    lines = [f"| method | settings | last k | paired seeds | Δ last-k acc pp [95 % CI] | Δ final acc pp [95 % CI] "
-             f"| Δ last-k per seed | unpaired |",
-             "|---|---|---:|---|---:|---:|---|---|"]
+    table = Table(["method", "settings", "last k", "paired seeds", "Δ last-k acc pp [95 % CI]",
+                   "Δ final acc pp [95 % CI]", "Δ last-k per seed", "unpaired"], numeric={2, 4, 5})
     for c in comparisons:
         per_seed = ", ".join(f"{s}: {_pp(d)}" for s, d in zip(c.seeds, c.last_k)) or "n/a"
-        cells = [c.method, ", ".join(c.settings) or "—", c.k, ", ".join(str(s) for s in c.seeds) or "none",
-                 _with_interval(c.mean_last_k, c.interval_last_k), _with_interval(c.mean_final, c.interval_final),
-                 per_seed, "; ".join(c.unpaired) or "—"]
-        lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+        table.rows.append([c.method, ", ".join(c.settings) or "—", c.k, ", ".join(str(s) for s in c.seeds) or "none",
+                           Delta(c.mean_last_k, c.interval_last_k), Delta(c.mean_final, c.interval_final),
+                           per_seed, "; ".join(c.unpaired) or "—"])
     if not comparisons:
-        lines.append(f"| (no other method than {ref}) | | | | | | | |")
-    return "\n".join(lines) + "\n\n" + paired_footnote(ref) + "\n"
+        table.rows.append([f"(no other method than {vs})", "", "", "", "", "", "", ""])
+    table.notes = [paired_footnote(vs)]
+    return table
+
+
+def paired_table(runs: Iterable[RunRecord | str | Path], vs: str, last_k: int | None = None, fmt: str = "md") -> str:
+    """``paired_data`` rendered: Markdown (with the footnote that says what the interval is), CSV or LaTeX."""
+    return render(paired_data(runs, vs, last_k), fmt)

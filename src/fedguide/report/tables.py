@@ -228,7 +228,7 @@ def results_table(runs: Iterable[RunRecord | str | Path], footnotes: bool = True
 
 ROUNDS_TO_FOOTNOTE = (
     "Rounds to X %: the first round whose test accuracy reached X %, mean over the seeds that reached it; "
-    "\"(r/n)\" when only r of the n seeds did, \"—\" when none did within its rounds."
+    "\"(r/n seeds)\" when only r of the n seeds did, \"—\" when none did within its rounds."
 )
 
 
@@ -249,8 +249,9 @@ def rounds_to_table(runs: Iterable[RunRecord | str | Path], marks: list[float] |
             if not reached:
                 cells.append("—")
                 continue
-            text = f"{statistics.fmean(reached):g}"
-            cells.append(text if len(reached) == len(g.runs) else f"{text} ({len(reached)}/{len(g.runs)})")
+            # Rounds are whole numbers: one decimal says a mean over seeds, and no more is meant.
+            text = f"{statistics.fmean(reached):.1f}".removesuffix(".0")
+            cells.append(text if len(reached) == len(g.runs) else f"{text} ({len(reached)}/{len(g.runs)} seeds)")
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n\n" + ROUNDS_TO_FOOTNOTE + "\n"
 
