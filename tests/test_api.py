@@ -116,3 +116,24 @@ def test_a_sweep_says_whose_round_each_line_is(tmp_path):
     fedguide.sweep(RAW, ["seed=0,1"], {"train.rounds": 1}, out=tmp_path, log=lines.append)
     rounds = [line for line in lines if "round   1/1" in line]
     assert [line.split("  round")[0] for line in rounds] == ["[1/2] seed=0", "[2/2] seed=1"]
+
+
+def test_the_results_functions_take_a_sweep_folder_as_a_string(tmp_path):
+    """The module docstring's example: tables, the pivot, --vs and the report from a sweep folder given as a
+    plain string, in every format the command line has."""
+    import csv
+    import io
+
+    fedguide.sweep(RAW, {"method.name": ["fedavg", "fedprox"], "seed": [0, 1]}, {"train.rounds": 2},
+                   out=tmp_path / "sweep", quiet=True)
+    folder = str(tmp_path / "sweep")
+    assert [r.method for r in fedguide.load_runs(folder)] == ["fedavg", "fedavg", "fedprox", "fedprox"]
+    assert "| fedavg |" in fedguide.results_table(folder) and "| fedprox |" in fedguide.results_table(folder)
+    latex = fedguide.pivot_table(folder, rows="method", cols="dataset", fmt="latex")
+    assert latex.startswith(r"\begin{tabular}") and "fedprox" in latex
+    rows = list(csv.reader(io.StringIO(fedguide.paired_table(folder, vs="fedavg", fmt="csv"))))
+    assert rows[1][0] == "fedprox" and rows[1][3] == "0, 1"  # both seeds paired
+    result = fedguide.write_report(folder, vs="fedavg", fmt="latex")
+    assert result.out_dir == tmp_path / "sweep" / "report" and result.paired_path.name == "paired.tex"
+    with pytest.raises(ValueError, match="for a folder of runs, such as a sweep's --out, use load_runs"):
+        fedguide.load_run(folder)

@@ -1,7 +1,8 @@
 """fedguide: heterogeneous federated learning guided by pretrained diffusion models.
 
-The Python API (``fedguide.api``): ``run``, ``resume``, ``sweep``, ``load``, ``load_run``, ``results_table``,
-``write_report``. It is loaded on first use, so ``import fedguide`` stays cheap (no torch).
+The Python API (``fedguide.api``): ``run``, ``resume``, ``sweep``, ``dry_run``, ``load``, ``load_run``,
+``load_runs``, ``results_table``, ``pivot_table``, ``paired_table``, ``write_report``. It is loaded on first use,
+so ``import fedguide`` stays cheap (no torch).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "RunRecord", "load", "load_run", "results_table", "resume", "run", "sweep", "write_report"]
+__all__ = ["ConfigError", "Interrupted", "Observer", "RunRecord", "dry_run", "load", "load_run", "load_runs",
+           "paired_table", "pivot_table", "results_table", "resume", "run", "sweep", "write_report"]
 
 
 def __getattr__(name: str) -> Any:

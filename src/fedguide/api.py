@@ -3,16 +3,19 @@
     import fedguide
 
     rec = fedguide.run("configs/smoke.yaml", {"method.name": "fedprox", "method.mu": 0.01}, out="runs/fedprox")
-    rec.summary["final_accuracy"], rec.path
+    rec.summary["accuracy_last_k"], rec.path
     recs = fedguide.sweep("configs/smoke.yaml", {"method.name": ["fedavg", "fedprox"], "seed": [0, 1]},
                           out="runs/sweep")
-    print(fedguide.results_table(recs))
-    fedguide.write_report(recs, "runs/sweep/report")
+    print(fedguide.results_table("runs/sweep"))                       # a sweep folder, folders or records
+    print(fedguide.pivot_table("runs/sweep", rows="method", cols="partition", fmt="latex"))
+    print(fedguide.paired_table("runs/sweep", vs="fedavg", fmt="csv"))  # per-seed differences, 95 % intervals
+    fedguide.write_report("runs/sweep", vs="fedavg")                    # report.md and plots in runs/sweep/report
 
 A config is a YAML file's path, a mapping of the same shape, or a ``Config``; overrides are the command
 line's (``["method.name=fedprox"]``) or a mapping of dotted keys to values (``{"method.mu": 0.5}``).
 Runs return the run folder's ``RunRecord`` (``fedguide.report``): ``path``, ``config``, ``summary``,
-``metrics``. Errors are the command line's: a ``ConfigError`` (a ``ValueError``) naming the fix.
+``metrics``; ``load_runs`` reads them back from run folders or folders of runs. Errors are the command line's:
+a ``ConfigError`` (a ``ValueError``) naming the fix.
 """
 from __future__ import annotations
 
@@ -22,17 +25,19 @@ import json
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from fedguide.config import Config, apply_overrides, build_config, load_raw
 from fedguide.registry import ConfigError
-from fedguide.report import ReportResult, RunRecord, load_run, report, results_table
+from fedguide.report import (ReportOptions, ReportResult, RunRecord, load_run, load_runs, paired_table, pivot_table,
+                             report, results_table)
+from fedguide.report.runs import Runs
 
 ConfigLike = Union[str, Path, Mapping[str, Any], Config]
 Overrides = Union[Sequence[Union[str, tuple[str, Any]]], Mapping[str, Any]]
 
-__all__ = ["ConfigError", "Interrupted", "Observer", "RunRecord", "dry_run", "load", "load_run", "results_table",
-           "resume", "run", "sweep", "write_report"]
+__all__ = ["ConfigError", "Interrupted", "Observer", "RunRecord", "dry_run", "load", "load_run", "load_runs",
+           "paired_table", "pivot_table", "results_table", "resume", "run", "sweep", "write_report"]
 
 
 def _raw(config: ConfigLike) -> tuple[dict[str, Any], str]:
@@ -239,8 +244,10 @@ def sweep(config: ConfigLike, axes: Union[Mapping[str, Any], Sequence[str]], ove
     return [load_run(r.run_dir) for r in runs]
 
 
-def write_report(runs: Iterable[Union[RunRecord, str, Path]], out: Union[str, Path, None] = None) -> ReportResult:
-    """``fedguide report`` over run records or folders: report.md and the plots into ``out`` (default:
-    the run's plots/ for one run, report/ beside the first run for several, replacing the report written there
-    before)."""
-    return report([r.path if isinstance(r, RunRecord) else Path(r) for r in runs], out)
+def write_report(runs: Runs, out: Union[str, Path, None] = None, **options: Any) -> ReportResult:
+    """``fedguide report`` over records, run folders or folders of runs: report.md and the plots into ``out``
+    (default: the run's plots/ for one run, report/ beside the first run for several, replacing the report
+    written there before). ``options`` are ``fedguide report``'s: ``vs``, ``rows``, ``cols``, ``metric``,
+    ``fmt``, ``last_k``, ``rounds_to``, ``keep_previous`` (``ReportOptions``)."""
+    records = load_runs(runs)
+    return report([r.path for r in records], out, ReportOptions(**options))

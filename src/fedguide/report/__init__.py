@@ -9,9 +9,9 @@ from fedguide.report.document import ReportOptions, ReportResult, report
 from fedguide.report.paired import bootstrap_interval, paired_comparisons, paired_table
 from fedguide.report.pivot import pivot_data, pivot_table
 from fedguide.report.plots import make_plots
-from fedguide.report.runs import RunRecord, load_run
+from fedguide.report.runs import RunRecord, load_run, load_runs
 from fedguide.report.tables import results_table, rounds_to_table
 
-__all__ = ["ReportOptions", "ReportResult", "RunRecord", "bootstrap_interval", "find_run_dirs", "load_run",
+__all__ = ["ReportOptions", "ReportResult", "RunRecord", "bootstrap_interval", "find_run_dirs", "load_run", "load_runs",
            "make_plots", "paired_comparisons", "paired_table", "pivot_data", "pivot_table", "report",
            "results_table", "rounds_to_table"]

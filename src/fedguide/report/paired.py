@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable
 
 import numpy as np
@@ -18,7 +17,7 @@ import numpy as np
 from fedguide.config import flat_keys
 from fedguide.report.formats import Delta, Table, render
 from fedguide.report.measures import common_k
-from fedguide.report.runs import RunRecord, as_records
+from fedguide.report.runs import RunRecord, Runs, load_runs
 from fedguide.report.tables import NOT_SETTINGS, _under, describe_settings, differing_settings, method_labels
 
 BOOTSTRAP_RESAMPLES = 10_000
@@ -99,10 +98,10 @@ def _by_seed(runs: list[RunRecord]) -> dict[str, list[RunRecord]]:
     return out
 
 
-def paired_comparisons(runs: Iterable[RunRecord | str | Path], vs: str, last_k: int | None = None) -> list[Comparison]:
+def paired_comparisons(runs: Runs, vs: str, last_k: int | None = None) -> list[Comparison]:
     """Per-seed differences (accuracy_last_k and final) of every other method against ``vs``; complete runs
     only. A seed without a partner, or repeated on either side, is named in ``unpaired`` and not used."""
-    complete = [r for r in as_records(runs) if r.complete]
+    complete = [r for r in load_runs(runs) if r.complete]
     labels = method_labels(complete)
     refs = _reference(complete, labels, vs)
     ref_label = labels[id(refs[0])]
@@ -183,7 +182,7 @@ def paired_footnote(vs: str) -> str:
             "runs over the same last k rounds. Unpaired seeds are named and not used.")
 
 
-def paired_data(runs: Iterable[RunRecord | str | Path], vs: str, last_k: int | None = None) -> Table:
+def paired_data(runs: Runs, vs: str, last_k: int | None = None) -> Table:
     """``paired_comparisons`` as a table, rendered like every other (Markdown with its footnote, CSV with the
     means and interval bounds as plain numbers in percentage points, a LaTeX tabular)."""
     comparisons = paired_comparisons(runs, vs, last_k)
@@ -200,6 +199,6 @@ def paired_data(runs: Iterable[RunRecord | str | Path], vs: str, last_k: int | N
     return table
 
 
-def paired_table(runs: Iterable[RunRecord | str | Path], vs: str, last_k: int | None = None, fmt: str = "md") -> str:
+def paired_table(runs: Runs, vs: str, last_k: int | None = None, fmt: str = "md") -> str:
     """``paired_data`` rendered: Markdown (with the footnote that says what the interval is), CSV or LaTeX."""
     return render(paired_data(runs, vs, last_k), fmt)

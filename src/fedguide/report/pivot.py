@@ -8,13 +8,12 @@ averages two settings. Per-domain and per-client columns follow where the runs r
 """
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from fedguide.config import flat_keys
 from fedguide.report.formats import Stat, Table, bold_best, render
 from fedguide.report.measures import METRIC_NAMES, check_metric, common_k, values
-from fedguide.report.runs import RunRecord, as_records
+from fedguide.report.runs import RunRecord, Runs, load_runs
 from fedguide.report.tables import (LABELLED, Group, _under, describe_settings, differing_settings, group_runs,
                                     setting_value)
 
@@ -70,12 +69,12 @@ def _extra_series(groups: list[Group]) -> list[tuple[str, str]]:
     return list(dict.fromkeys(found))
 
 
-def pivot_data(runs: Iterable[RunRecord | str | Path], rows: str, cols: str | None = None,
+def pivot_data(runs: Runs, rows: str, cols: str | None = None,
                metric: str = "last_k", last_k: int | None = None) -> Table:
     """Complete runs as a ``rows`` x ``cols`` table of ``metric`` (without ``cols``: one column of it), then
     the per-domain and per-client columns; raises ValueError naming the option for a key no run has."""
     check_metric(metric)
-    records = as_records(runs)
+    records = load_runs(runs)
     _check_axis(rows, records, "--rows")
     if cols is not None:
         _check_axis(cols, records, "--cols")
@@ -134,7 +133,7 @@ def _pivot_note(metric: str, left_out: int, extra: bool) -> str:
 
 
 
-def pivot_table(runs: Iterable[RunRecord | str | Path], rows: str, cols: str | None = None, metric: str = "last_k",
+def pivot_table(runs: Runs, rows: str, cols: str | None = None, metric: str = "last_k",
                 fmt: str = "md", last_k: int | None = None) -> str:
     """``pivot_data`` rendered as Markdown (bold best, footnote), CSV or a LaTeX tabular."""
     return render(pivot_data(runs, rows, cols, metric, last_k), fmt)

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fedguide.report.feddw import plot_dw_matrices
-from fedguide.report.runs import RunRecord, as_records
+from fedguide.report.runs import RunRecord, Runs, load_runs
 from fedguide.report.tables import Group, group_runs
 
 ACCURACY_PNG = "accuracy_curves.png"
@@ -171,10 +171,10 @@ def partition_plan(runs: Iterable[RunRecord]) -> list[tuple[str, list[RunRecord]
     return list(plan.values())
 
 
-def make_plots(runs: Iterable[RunRecord | str | Path], out_dir: str | Path) -> list[Path]:
+def make_plots(runs: Runs, out_dir: str | Path) -> list[Path]:
     """Write accuracy_curves.png and one partition_<run-name>.png per distinct partition.json (plus
     partition_<run-name>_domains.png where the data has domains)."""
-    runs = as_records(runs)
+    runs = load_runs(runs)
     out_dir = Path(out_dir)
     written = [plot_accuracy_curves(group_runs(runs), out_dir / ACCURACY_PNG)]
     for stem, members in partition_plan(runs):

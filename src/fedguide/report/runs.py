@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Union
 
 from pydantic import ValidationError
 
@@ -241,8 +241,8 @@ def load_run(path: str | Path) -> RunRecord:
     if not folder.path.is_dir() or not folder.written():
         what = ("is not a directory" if not folder.path.is_dir()
                 else f"has no {CONFIG_FILE}, {METRICS_FILE} or {SUMMARY_FILE}")
-        raise ValueError(f"{folder.path} is not a run directory: it {what} "
-                         "(pass a run folder written by fedguide, or a folder holding run folders)")
+        raise ValueError(f"{folder.path} is not a run directory: it {what} (pass a run folder written by fedguide; "
+                         "for a folder of runs, such as a sweep's --out, use load_runs)")
     summary = folder.read_summary()
     warnings: list[str] = []
     metrics = folder.read_metrics(running=summary is None, warnings=warnings)
@@ -251,6 +251,17 @@ def load_run(path: str | Path) -> RunRecord:
                      warnings=warnings)
 
 
-def as_records(runs: Iterable[RunRecord | str | Path]) -> list[RunRecord]:
-    """Let the public functions take either loaded records or run directory paths."""
-    return [r if isinstance(r, RunRecord) else load_run(r) for r in runs]
+# What a report function takes: records, run folders, folders of runs (a sweep's --out), one or several.
+Runs = Union[RunRecord, str, Path, Iterable[Union[RunRecord, str, Path]]]
+
+
+def load_runs(runs: Runs) -> list[RunRecord]:
+    """Records of run folders, of the run folders below any other folder given (a sweep's --out), and of
+    records passed as they are; one path (a string too) or several."""
+    from fedguide.report.discover import find_run_dirs
+
+    items = [runs] if isinstance(runs, (RunRecord, str, Path)) else list(runs)
+    out: list[RunRecord] = []
+    for item in items:
+        out += [item] if isinstance(item, RunRecord) else [load_run(p) for p in find_run_dirs([item])]
+    return out

@@ -5,13 +5,12 @@ import json
 import math
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable
 
 from fedguide.config import flat_keys
 from fedguide.report.formats import Num, Stat, Table, render
 from fedguide.report.measures import common_k, values
-from fedguide.report.runs import RunRecord, _fmt_value, as_records
+from fedguide.report.runs import RunRecord, _fmt_value, Runs, load_runs
 
 LAST_K_FOOTNOTE = (
     "*last-k acc* is the number to compare: the mean test accuracy over each run's last k evaluated rounds "
@@ -189,10 +188,10 @@ HEADER = [
 NUMERIC_COLUMNS = {3, 4, 6, 7, 8, 9, 10, 11}
 
 
-def results_data(runs: Iterable[RunRecord | str | Path], last_k: int | None = None) -> Table:
+def results_data(runs: Runs, last_k: int | None = None) -> Table:
     """One row per group of complete runs that differ only in their seed, plus one row per incomplete run;
     the config keys that tell rows apart follow as columns."""
-    runs = as_records(runs)
+    runs = load_runs(runs)
     groups = group_runs(runs)
     extra = list(groups[0].settings) if groups else []  # the keys that tell rows apart, one column each
     table = Table(HEADER + extra, numeric=set(NUMERIC_COLUMNS),
@@ -217,7 +216,7 @@ def results_data(runs: Iterable[RunRecord | str | Path], last_k: int | None = No
     return table
 
 
-def results_table(runs: Iterable[RunRecord | str | Path], footnotes: bool = True, fmt: str = "md",
+def results_table(runs: Runs, footnotes: bool = True, fmt: str = "md",
                   last_k: int | None = None) -> str:
     """The results table as Markdown (with footnotes unless ``footnotes`` is False), CSV or LaTeX."""
     table = results_data(runs, last_k)
@@ -232,10 +231,10 @@ ROUNDS_TO_FOOTNOTE = (
 )
 
 
-def rounds_to_table(runs: Iterable[RunRecord | str | Path], marks: list[float] | None = None) -> str:
+def rounds_to_table(runs: Runs, marks: list[float] | None = None) -> str:
     """Markdown table of rounds to each accuracy mark (FedDifRC Table 12), one row per group of complete
     runs; the marks are ``marks`` or those the runs recorded (``report.rounds_to``)."""
-    groups = [g for g in group_runs(as_records(runs)) if g.complete]
+    groups = [g for g in group_runs(load_runs(runs)) if g.complete]
     if not groups:
         return ""
     if marks is None:
@@ -256,11 +255,11 @@ def rounds_to_table(runs: Iterable[RunRecord | str | Path], marks: list[float] |
     return "\n".join(lines) + "\n\n" + ROUNDS_TO_FOOTNOTE + "\n"
 
 
-def domain_table(runs: Iterable[RunRecord | str | Path], last_k: int | None = None) -> str:
+def domain_table(runs: Runs, last_k: int | None = None) -> str:
     """Markdown table of per-domain test accuracy over the last k rounds (metrics.jsonl's per-round
     domain_accuracy), mean ± std over seeds, one row per group of complete runs that report domains; empty
     when no run has domains."""
-    groups = [g for g in group_runs(as_records(runs))
+    groups = [g for g in group_runs(load_runs(runs))
               if g.complete and all("domain_accuracy" in (r.summary or {}) for r in g.runs)]
     if not groups:
         return ""
@@ -288,10 +287,10 @@ PERSONAL_KEYS = (("personal acc", "personal_accuracy"), ("min", "personal_accura
                  ("bottom 10 %", "personal_accuracy_bottom10"))
 
 
-def personal_table(runs: Iterable[RunRecord | str | Path], last_k: int | None = None) -> str:
+def personal_table(runs: Runs, last_k: int | None = None) -> str:
     """Markdown table of the personalised metrics (metrics.jsonl's personal_accuracy, its minimum and bottom-10 %
     over clients), one row per group of complete runs that recorded them; empty when none did."""
-    groups = [g for g in group_runs(as_records(runs))
+    groups = [g for g in group_runs(load_runs(runs))
               if g.complete and all(r.series("personal_accuracy")[1] for r in g.runs)]
     if not groups:
         return ""
