@@ -272,6 +272,8 @@ def _add_flower(sub) -> None:
 
 
 def _add_results(sub) -> None:
+    from fedguide.report.measures import ALL_METRICS
+
     lst = sub.add_parser("list", help="registered methods, datasets, partitions, models and runtimes")
     lst.add_argument("--json", action="store_true")
     lst.set_defaults(func=cmd_list)
@@ -287,8 +289,10 @@ def _add_results(sub) -> None:
     rep.add_argument("--rows", metavar="KEY", default=None,
                      help="pivot table: KEY down the rows (method, partition, dataset or a dotted config key)")
     rep.add_argument("--cols", metavar="KEY", default=None, help="pivot table: KEY across the columns")
-    rep.add_argument("--metric", choices=("last_k", "final", "best"), default="last_k",
-                     help="what a pivot cell holds (default last_k: the mean over the last k rounds)")
+    rep.add_argument("--metric", choices=ALL_METRICS, default="last_k",
+                     help="what a pivot cell holds (default last_k: the mean over the last k rounds); a personal one "
+                          "(eval.mode personal/both: the clients' mean, minimum, or worst-10 %% personal accuracy, "
+                          "mean over the last k scored rounds) is also what --vs compares")
     rep.add_argument("--format", choices=("md", "csv", "latex"), default="md",
                      help="format of the printed table (the pivot, else the results table), also written to --out")
     rep.add_argument("--last-k", dest="last_k", type=int, default=None, metavar="K",

@@ -44,9 +44,14 @@ def _restore_env(name: str, value: Optional[str]) -> None:
         os.environ[name] = value
 
 
-def round_line(m: dict[str, Any], rounds: int) -> str:
+def round_line(m: dict[str, Any], rounds: int, eval_mode: str = "global") -> str:
+    """One round as the console shows it; with eval.mode both, the clients' personal accuracy beside the global
+    one (in the rounds that score it), and with personal, the accuracy is named as the personal one."""
     loss = "—" if m["loss"] is None else f"{m['loss']:.4f}"
-    return f"round {m['round']:>3}/{rounds}  acc {100 * m['accuracy']:6.2f}%  train loss {loss}  {m['seconds']:.1f} s"
+    acc = f"{'personal ' if eval_mode == 'personal' else ''}acc {100 * m['accuracy']:6.2f}%"
+    if eval_mode == "both" and m.get("personal_accuracy") is not None:
+        acc += f"  personal {100 * m['personal_accuracy']:6.2f}%"
+    return f"round {m['round']:>3}/{rounds}  {acc}  train loss {loss}  {m['seconds']:.1f} s"
 
 
 class Experiment:
@@ -162,7 +167,7 @@ class Experiment:
                 ctx.store.commit(r)
                 ctx.server_store.commit(r)
                 loggers.log(m, metrics)
-                self.log(round_line(m, rounds))
+                self.log(round_line(m, rounds, self.cfg.eval.mode))
                 if task is not None:
                     self.progress.update(task, advance=1)
             return self._finish(ctx, clients, global_w, metrics, wall0 + time.perf_counter() - t_run, notes)

@@ -27,7 +27,7 @@ class ReportOptions:
     vs: Optional[str] = None  # reference method of the paired differences
     rows: Optional[str] = None  # pivot: the key down the rows (method, partition, dataset or a dotted key)
     cols: Optional[str] = None  # pivot: the key across the columns
-    metric: str = "last_k"  # pivot cells: last_k, final or best
+    metric: str = "last_k"  # pivot cells: last_k, final, best or a personal one; --vs compares a personal one too
     fmt: str = "md"  # the printed table (the pivot, else the results table): md, csv or latex
     last_k: Optional[int] = None  # one window for every run instead of each run's own
     rounds_to: Optional[list[float]] = None  # accuracy marks instead of those the runs recorded
@@ -202,7 +202,7 @@ def report(paths: Iterable[str | Path], out: str | Path | None = None, options: 
     runs = [load_run(p) for p in run_paths]
     # Computed before anything is written: a bad --vs or --rows leaves no half-made report folder.
     pivot = pivot_data(runs, opts.rows, opts.cols, opts.metric, opts.last_k) if opts.rows else None
-    paired = paired_data(runs, opts.vs, opts.last_k) if opts.vs else None
+    paired = paired_data(runs, opts.vs, opts.last_k, opts.metric) if opts.vs else None
 
     out_dir = Path(out) if out is not None else default_out_dir(run_paths, given=Path(paths[0]))
     if opts.keep_previous:

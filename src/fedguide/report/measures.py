@@ -12,15 +12,28 @@ from typing import Iterable
 from fedguide.report.runs import RunRecord, last_k_mean
 
 METRICS = ("last_k", "final", "best")
+# Personalised evaluation (eval.mode personal/both): the mean over the last k scored rounds of the clients'
+# mean personal accuracy, its minimum over clients, and the mean of the worst 10 % of clients.
+PERSONAL_METRICS = {"personal_last_k": "personal_accuracy", "personal_min_last_k": "personal_accuracy_min",
+                    "personal_bottom10_last_k": "personal_accuracy_bottom10"}
+ALL_METRICS = (*METRICS, *PERSONAL_METRICS)
 # Column names of a cell's statistic: the cells are percentages (summary.json holds the same under
 # accuracy_last_k, final_accuracy and best_accuracy as fractions).
-METRIC_NAMES = {"last_k": "last-k acc %", "final": "final acc %", "best": "best acc %"}
+METRIC_NAMES = {"last_k": "last-k acc %", "final": "final acc %", "best": "best acc %",
+                "personal_last_k": "personal last-k acc %", "personal_min_last_k": "personal min last-k acc %",
+                "personal_bottom10_last_k": "personal bottom-10 % last-k acc %"}
 
 
 def check_metric(metric: str) -> str:
-    if metric not in METRICS:
-        raise ValueError(f"unknown metric '{metric}'; choose one of {', '.join(METRICS)}")
+    if metric not in ALL_METRICS:
+        raise ValueError(f"unknown metric '{metric}'; choose one of {', '.join(ALL_METRICS)}")
     return metric
+
+
+def statistic(metric: str, key: str = "accuracy") -> tuple[str, str]:
+    """(the statistic over rounds, the per-round series) a metric names: a personal metric is the last-k
+    statistic of its own series; the others take ``key``'s (accuracy, or a domain's or client's)."""
+    return ("last_k", PERSONAL_METRICS[metric]) if metric in PERSONAL_METRICS else (metric, key)
 
 
 def common_k(runs: Iterable[RunRecord], override: int | None = None) -> int:
@@ -57,4 +70,5 @@ def measure(run: RunRecord, metric: str, k: int, key: str = "accuracy") -> float
 
 
 def values(runs: Iterable[RunRecord], metric: str, k: int, key: str = "accuracy") -> tuple[float, ...]:
+    metric, key = statistic(metric, key)
     return tuple(v for v in (measure(r, metric, k, key) for r in runs) if v is not None)

@@ -16,7 +16,7 @@ import numpy as np
 
 from fedguide.config import flat_keys
 from fedguide.report.formats import Delta, Table, render
-from fedguide.report.measures import common_k
+from fedguide.report.measures import PERSONAL_METRICS, check_metric, common_k, measure, statistic
 from fedguide.report.runs import RunRecord, Runs, load_runs
 from fedguide.report.tables import NOT_SETTINGS, _under, describe_settings, differing_settings, method_labels
 
@@ -98,9 +98,19 @@ def _by_seed(runs: list[RunRecord]) -> dict[str, list[RunRecord]]:
     return out
 
 
-def paired_comparisons(runs: Runs, vs: str, last_k: int | None = None) -> list[Comparison]:
-    """Per-seed differences (accuracy_last_k and final) of every other method against ``vs``; complete runs
-    only. A seed without a partner, or repeated on either side, is named in ``unpaired`` and not used."""
+def _scores(run: RunRecord, series: str, k: int) -> tuple[float | None, float | None]:
+    """(last-k mean, final value) of a run's per-round ``series``."""
+    if series == "accuracy":
+        return run.accuracy_last(k), run.final_accuracy
+    return measure(run, "last_k", k, series), measure(run, "final", k, series)
+
+
+def paired_comparisons(runs: Runs, vs: str, last_k: int | None = None, metric: str = "last_k") -> list[Comparison]:
+    """Per-seed differences (the last-k mean and the final value) of every other method against ``vs``; complete
+    runs only. ``metric``: a personal one (``personal_last_k``, ...) compares that series instead of the
+    global test accuracy. A seed without a partner, or repeated on either side, is named in ``unpaired`` and
+    not used."""
+    series = statistic(check_metric(metric))[1] if metric in PERSONAL_METRICS else "accuracy"
     complete = [r for r in load_runs(runs) if r.complete]
     labels = method_labels(complete)
     refs = _reference(complete, labels, vs)
@@ -126,6 +136,9 @@ def paired_comparisons(runs: Runs, vs: str, last_k: int | None = None) -> list[C
                 # Equal settings on paper, different lengths on disk (a folder whose config was not updated when
                 # its rounds were raised): a difference of such runs measures the extra rounds.
                 unpaired.append(f"{name}: {a[0].rounds_done} rounds against {ref_label}'s {b[0].rounds_done}")
+            elif len(a) == 1 and len(b) == 1 and series != "accuracy" and not (a[0].series(series)[1]
+                                                                             and b[0].series(series)[1]):
+                unpaired.append(f"{name}: no {series} recorded (eval.mode global)")
             elif len(a) == 1 and len(b) == 1:
                 pairs.append((a[0], b[0]))
             elif not b:
@@ -137,8 +150,8 @@ def paired_comparisons(runs: Runs, vs: str, last_k: int | None = None) -> list[C
         k = common_k([r for p in pairs for r in p] or members, last_k)
         comparisons.append(Comparison(
             label, describe_settings(members[0], shown, label), k, [a.seed for a, _ in pairs],
-            [a.accuracy_last(k) - b.accuracy_last(k) for a, b in pairs],
-            [a.final_accuracy - b.final_accuracy for a, b in pairs], unpaired))
+            [_scores(a, series, k)[0] - _scores(b, series, k)[0] for a, b in pairs],
+            [_scores(a, series, k)[1] - _scores(b, series, k)[1] for a, b in pairs], unpaired))
     return sorted(comparisons, key=lambda c: (c.settings, -(c.mean_last_k if c.mean_last_k is not None else -1e9)))
 
 
@@ -182,12 +195,13 @@ def paired_footnote(vs: str) -> str:
             "runs over the same last k rounds. Unpaired seeds are named and not used.")
 
 
-def paired_data(runs: Runs, vs: str, last_k: int | None = None) -> Table:
+def paired_data(runs: Runs, vs: str, last_k: int | None = None, metric: str = "last_k") -> Table:
     """``paired_comparisons`` as a table, rendered like every other (Markdown with its footnote, CSV with the
     means and interval bounds as plain numbers in percentage points, a LaTeX tabular)."""
-    comparisons = paired_comparisons(runs, vs, last_k)
-    table = Table(["method", "settings", "last k", "paired seeds", "Δ last-k acc pp [95 % CI]",
-                   "Δ final acc pp [95 % CI]", "Δ last-k per seed", "unpaired"], numeric={2, 4, 5})
+    comparisons = paired_comparisons(runs, vs, last_k, metric)
+    what = "acc" if metric not in PERSONAL_METRICS else statistic(metric)[1].replace("_accuracy", " acc").replace("_", " ")
+    table = Table(["method", "settings", "last k", "paired seeds", f"Δ last-k {what} pp [95 % CI]",
+                   f"Δ final {what} pp [95 % CI]", "Δ last-k per seed", "unpaired"], numeric={2, 4, 5})
     for c in comparisons:
         per_seed = ", ".join(f"{s}: {_pp(d)}" for s, d in zip(c.seeds, c.last_k)) or "n/a"
         table.rows.append([c.method, ", ".join(c.settings) or "—", c.k, ", ".join(str(s) for s in c.seeds) or "none",
@@ -199,6 +213,6 @@ def paired_data(runs: Runs, vs: str, last_k: int | None = None) -> Table:
     return table
 
 
-def paired_table(runs: Runs, vs: str, last_k: int | None = None, fmt: str = "md") -> str:
+def paired_table(runs: Runs, vs: str, last_k: int | None = None, fmt: str = "md", metric: str = "last_k") -> str:
     """``paired_data`` rendered: Markdown (with the footnote that says what the interval is), CSV or LaTeX."""
-    return render(paired_data(runs, vs, last_k), fmt)
+    return render(paired_data(runs, vs, last_k, metric), fmt)

@@ -123,7 +123,11 @@ def _cell(groups: list[Group], metric: str, last_k: int | None, key: str) -> Sta
 def _pivot_note(metric: str, left_out: int, extra: bool) -> str:
     what = {"last_k": "accuracy_last_k (mean test accuracy over the last k rounds; k even, the last 10 % of rounds "
                       "by default)",
-            "final": "final-round test accuracy", "best": "best test accuracy over rounds (optimistic)"}[metric]
+            "final": "final-round test accuracy", "best": "best test accuracy over rounds (optimistic)",
+            "personal_last_k": "the clients' mean personal test accuracy, mean over the last k scored rounds",
+            "personal_min_last_k": "the lowest client's personal test accuracy, mean over the last k scored rounds",
+            "personal_bottom10_last_k": "the mean personal test accuracy of the worst 10 % of clients, mean over "
+                                        "the last k scored rounds"}[metric]
     note = f"Cells: {what} in %, mean ± sample std (ddof=1) over seeds; bold = best in its column."
     if extra:
         note += " Per-domain and per-client columns take the same statistic of their own per-round accuracy."

@@ -194,9 +194,13 @@ def results_data(runs: Runs, last_k: int | None = None) -> Table:
     runs = load_runs(runs)
     groups = group_runs(runs)
     extra = list(groups[0].settings) if groups else []  # the keys that tell rows apart, one column each
-    table = Table(HEADER + extra, numeric=set(NUMERIC_COLUMNS),
+    # Runs scored on the clients' own test splits (eval.mode personal/both) show that number beside the global one.
+    personal = any(r.series("personal_accuracy")[1] for r in runs)
+    own = ["personal last-k acc %"] if personal else []
+    table = Table(HEADER + own + extra, numeric=set(NUMERIC_COLUMNS) | ({len(HEADER)} if personal else set()),
                   csv_names={7: ("last-k acc % mean", "last-k acc % std"), 8: ("final acc % mean", "final acc % std"),
-                             9: ("best acc % mean", "best acc % std")})
+                             9: ("best acc % mean", "best acc % std"),
+                             len(HEADER): ("personal last-k acc % mean", "personal last-k acc % std")})
     for g in groups:
         k = g.last_k(last_k)
         up = [v / 1e6 for v in g._values("bytes_up_per_round")]
@@ -206,6 +210,7 @@ def results_data(runs: Runs, last_k: int | None = None) -> Table:
             ", ".join(str(s) for s in g.seeds), k,
             Stat(values(g.runs, "last_k", k)), Stat(values(g.runs, "final", k)), Stat(values(g.runs, "best", k)),
             Num(statistics.fmean(wall) if wall else None, ".1f"), Num(statistics.fmean(up) if up else None, ".3f"),
+            *([Stat(values(g.runs, "personal_last_k", k))] if personal else []),
             *(g.settings[c] for c in extra),
         ])
     table.notes = [LAST_K_FOOTNOTE, BEST_FOOTNOTE, STD_FOOTNOTE]
