@@ -115,7 +115,13 @@ def final_line(summary: dict[str, Any], run_dir: Path) -> str:
     """How a run ended, led by the number to compare runs by: the mean over its last k rounds."""
     return (f"last-{summary['last_k']} accuracy {100 * summary['accuracy_last_k']:.2f}%  final "
             f"{100 * summary['final_accuracy']:.2f}%  (best {100 * summary['best_accuracy']:.2f}% at round "
-            f"{summary['best_round']})  {summary['wall_seconds']:.0f} s  -> {run_dir}")
+            f"{summary['best_round']})  {_cost(summary)}  -> {run_dir}")
+
+
+def _cost(summary: dict[str, Any]) -> str:
+    """The run's seconds, set-up included, with the set-up part where it is worth a second."""
+    setup = summary.get("setup_seconds", 0.0)
+    return f"{summary['wall_seconds']:.0f} s" + (f" (set-up {setup:.0f} s)" if setup >= 1 else "")
 
 
 def _execute(prepared: Any, folder: Any, resume: bool, observer: Observer, hint: Optional[str] = None) -> dict:

@@ -107,6 +107,7 @@ class Experiment:
                 return self._run(resume)
 
     def _run(self, resume: bool) -> dict[str, Any]:
+        t_setup = time.perf_counter()  # set-up: the run context, the method's set-up (extraction, generation, ...)
         ctx, method = open_run(self.p, self.run_dir)
         # The server sets up and evaluates with the clients' thread count: results then do not depend on
         # how many processes trained the clients.
@@ -129,6 +130,8 @@ class Experiment:
             self.log(f"resuming {self.run_dir} after round {ckpt.round}")
         rounds = self.cfg.train.rounds
         t_run = time.perf_counter()
+        # Every process's set-up counts (a resumed run sets up again): the notes keep the sum in the checkpoint.
+        notes["setup_seconds"] = notes.get("setup_seconds", 0.0) + (t_run - t_setup)
         task = self.progress.add_task("rounds", total=rounds, completed=start - 1) if self.progress else None
         # Client-side processes sharing this device keep the data where the server decides for all of them.
         shared = client_processes_on_device(ctx, workers)
@@ -248,7 +251,10 @@ class Experiment:
             **{key: metrics[-1][key] for key in ("domain_accuracy", "client_class_accuracy") if key in metrics[-1]},
             "rounds_to_accuracy": {str(a): next((m["round"] for m in metrics if m["accuracy"] >= a), None)
                                    for a in self.cfg.report.rounds_to},
-            "wall_seconds": wall,
+            # The run's cost is its set-up and its rounds; the rounds alone are training_seconds.
+            "wall_seconds": notes.get("setup_seconds", 0.0) + wall,
+            "setup_seconds": notes.get("setup_seconds", 0.0),
+            "training_seconds": wall,
             "mean_round_seconds": float(np.mean([m["seconds"] for m in metrics])),
             "workers": clients.workers,
             "threads_per_worker": clients.threads,
@@ -256,7 +262,7 @@ class Experiment:
             "bytes_down_total": int(sum(m["bytes_down"] for m in metrics)),
         }
         summary.update(personal_summary(self.cfg, metrics))
-        summary.update(notes)
+        summary.update({k: v for k, v in notes.items() if k != "setup_seconds"})
         summary.update(clients.finish(metrics))
         if simulated.current() is not None:
             summary["device_check"] = simulated.device_check_summary(self.device_counts)

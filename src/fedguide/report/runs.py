@@ -158,6 +158,12 @@ class RunRecord:
         return max(finite) if finite else None
 
     @property
+    def setup_seconds(self) -> float | None:
+        """The set-up part of ``wall_seconds`` (runs written before it was recorded: None)."""
+        value = self._summary_get("setup_seconds")
+        return float(value) if value is not None else None
+
+    @property
     def wall_seconds(self) -> float | None:
         if self.summary is not None and self.summary.get("wall_seconds") is not None:
             return float(self.summary["wall_seconds"])

@@ -23,7 +23,9 @@ BEST_FOOTNOTE = (
 )
 STD_FOOTNOTE = (
     "± is the sample standard deviation (ddof=1) over seeds; \"n/a\" when there is a single seed. "
-    "MB up/round = `bytes_up` from metrics.jsonl in units of 10⁶ bytes, averaged over rounds, then over seeds."
+    "MB up/round = `bytes_up` from metrics.jsonl in units of 10⁶ bytes, averaged over rounds, then over seeds. "
+    "wall s = a run's whole cost, its set-up (feature extraction, generation, pretraining) and its rounds; the "
+    "set-up part is shown beside it where a run had one worth a second."
 )
 REPEATED_SEED_FOOTNOTE = (
     "Runs marked \"seed repeated\" share every setting and their seed with another run: two runs of one seed are "
@@ -188,6 +190,14 @@ HEADER = [
 NUMERIC_COLUMNS = {3, 4, 6, 7, 8, 9, 10, 11}
 
 
+def _cost(wall: list[float], setup: list[float]) -> Num | str:
+    """Mean wall seconds over seeds, with the set-up part beside it when there is one worth showing."""
+    if not wall:
+        return Num(None)
+    mean, part = statistics.fmean(wall), statistics.fmean(setup) if setup else 0.0
+    return f"{mean:.1f} (set-up {part:.1f})" if part >= 1.0 else Num(mean, ".1f")
+
+
 def results_data(runs: Runs, last_k: int | None = None) -> Table:
     """One row per group of complete runs that differ only in their seed, plus one row per incomplete run;
     the config keys that tell rows apart follow as columns."""
@@ -209,7 +219,7 @@ def results_data(runs: Runs, last_k: int | None = None) -> Table:
             g.row_label, g.dataset, g.partition, g.clients, g.rounds,
             ", ".join(str(s) for s in g.seeds), k,
             Stat(values(g.runs, "last_k", k)), Stat(values(g.runs, "final", k)), Stat(values(g.runs, "best", k)),
-            Num(statistics.fmean(wall) if wall else None, ".1f"), Num(statistics.fmean(up) if up else None, ".3f"),
+            _cost(wall, g._values("setup_seconds")), Num(statistics.fmean(up) if up else None, ".3f"),
             *([Stat(values(g.runs, "personal_last_k", k))] if personal else []),
             *(g.settings[c] for c in extra),
         ])
