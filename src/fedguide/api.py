@@ -154,13 +154,16 @@ def dry_run(config: ConfigLike, overrides: Optional[Overrides] = None,
     """What ``fedguide run --dry-run`` prints: the resolved config (every default written out) and the partition
     summary, of each sweep combination when ``axes`` are given, after every check a real run makes first."""
     from fedguide.config import to_yaml
+    from fedguide.data.sources import no_downloads
     from fedguide.fl.preflight import check
     from fedguide.sweeps import dry_run_text, plan
 
     raw, stem = _raw(config)
-    if axes:
-        return dry_run_text(plan(raw, _overrides(overrides), _grid(axes), Path("runs") / stem))
-    prepared = check(build_config(apply_overrides(raw, _overrides(overrides))))
+    # A dry run reads what is on disk and writes nothing: a data set that would be downloaded is named instead.
+    with no_downloads("A dry run does not download; run without --dry-run to fetch it."):
+        if axes:
+            return dry_run_text(plan(raw, _overrides(overrides), _grid(axes), Path("runs") / stem))
+        prepared = check(build_config(apply_overrides(raw, _overrides(overrides))))
     return to_yaml(prepared.config) + "partition summary: " + json.dumps(prepared.data.summary()) + "\n"
 
 

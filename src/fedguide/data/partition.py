@@ -85,9 +85,14 @@ def shards(labels: np.ndarray, num_clients: int, params: ShardsParams, rng: np.r
     boundary holds two classes, so "at most k classes per client" is exact only when every class
     count is a multiple of the shard size (as for balanced data with a divisible client count).
     """
+    count = num_clients * params.k
+    if count > len(labels):  # some shards would be empty: clients with no data, or fewer shards than k
+        raise ConfigError(f"partition shards: {num_clients} clients x k={params.k} = {count} shards, but only "
+                          f"{len(labels)} training samples to cut them from; lower partition.k or clients.num to at "
+                          f"most {len(labels)} shards in all, or use more data (data.fraction)")
     perm = rng.permutation(len(labels))
     order = perm[np.argsort(labels[perm], kind="stable")]
-    pieces = np.array_split(order, num_clients * params.k)
+    pieces = np.array_split(order, count)
     owner = rng.permutation(num_clients * params.k).reshape(num_clients, params.k)
     return _sorted([np.concatenate([pieces[s] for s in row]) for row in owner])
 

@@ -11,22 +11,26 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import matplotlib
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
 from fedguide.report.feddw import plot_dw_matrices
 from fedguide.report.runs import RunRecord, Runs, load_runs
 from fedguide.report.tables import Group, group_runs
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 ACCURACY_PNG = "accuracy_curves.png"
 
 
 def _new_figure(figsize: tuple[float, float]) -> Figure:
+    # matplotlib here, not at the top: importing the API (a --dry-run, a run) must not import it, nor have it
+    # create its configuration and cache folders, when no plot is drawn.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=figsize, dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
@@ -62,6 +66,9 @@ def _group_curve(group: Group) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
 
 
 def plot_accuracy_curves(groups: list[Group], path: Path) -> Path:
+    import matplotlib
+    from matplotlib.ticker import MaxNLocator
+
     fig = _new_figure((8, 5))
     ax = fig.add_subplot()
     cmap = matplotlib.colormaps["tab10" if len(groups) <= 10 else "tab20"]

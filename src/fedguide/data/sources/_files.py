@@ -21,6 +21,8 @@ Decisions:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import os
 import pickle
@@ -31,7 +33,7 @@ import warnings
 import zipfile
 import zlib
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +52,21 @@ OFFLINE_REASON = "downloads disabled by FEDGUIDE_OFFLINE=1"
 def offline() -> bool:
     """Downloads are off when FEDGUIDE_OFFLINE=1 (tests and air-gapped machines set it)."""
     return os.environ.get("FEDGUIDE_OFFLINE") == "1"
+
+
+# Why fetching is off for the work in progress (a --dry-run checks a config without downloading a data set or
+# creating its download folder); None: fetching is allowed.
+_NO_FETCH: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("fedguide_no_fetch", default=None)
+
+
+@contextlib.contextmanager
+def no_downloads(reason: str) -> Iterator[None]:
+    """Within the block a data set that is not on disk is an error saying ``reason``, never a download."""
+    token = _NO_FETCH.set(reason)
+    try:
+        yield
+    finally:
+        _NO_FETCH.reset(token)
 
 
 def download_dir(name: str) -> Path:
@@ -111,6 +128,8 @@ def find_or_fetch(title: str, root: Optional[str], name: str, subfolders: Sequen
         return hit
     if fetch is None:
         raise not_found(title, bases, subfolders, layout, how=how)
+    if _NO_FETCH.get() is not None:
+        raise not_found(title, bases, subfolders, layout, how=how + (" " if how else "") + _NO_FETCH.get())
     target = download_dir(name)
     try:
         fetch(target)
