@@ -137,3 +137,18 @@ def test_the_results_functions_take_a_sweep_folder_as_a_string(tmp_path):
     assert result.out_dir == tmp_path / "sweep" / "report" and result.paired_path.name == "paired.tex"
     with pytest.raises(ValueError, match="for a folder of runs, such as a sweep's --out, use load_runs"):
         fedguide.load_run(folder)
+
+
+def test_sweep_raise_rounds_report_vs_pairs_only_runs_of_equal_length(tmp_path):
+    """Two methods over two seeds for 2 rounds, then FedAvg's runs raised to 3: --vs must not pair a 2-round
+    FedProx with a 3-round FedAvg, and names why."""
+    out = tmp_path / "cmp"
+    fedguide.sweep(RAW, {"method.name": ["fedavg", "fedprox"], "seed": [0, 1]}, {"train.rounds": 2}, out=out,
+                   quiet=True)
+    fedguide.sweep(RAW, {"method.name": ["fedavg"], "seed": [0, 1]}, {"train.rounds": 3}, out=out, quiet=True)
+    records = fedguide.load_runs(out)
+    assert sorted((r.method, r.config["train"]["rounds"], r.rounds_done) for r in records) == [
+        ("fedavg", 3, 3), ("fedavg", 3, 3), ("fedprox", 2, 2), ("fedprox", 2, 2)]
+    [c] = fedguide.report.paired_comparisons(records, "fedavg")
+    assert c.seeds == [] and c.unpaired == [f"seed {s}: no fedavg run with the same settings (train.rounds differs)"
+                                            for s in (0, 1)]
