@@ -113,3 +113,22 @@ def test_an_axis_added_to_a_sweep_continues_its_runs_instead_of_recomputing_them
     assert records[0].path == before.path and (before.path / "summary.json").stat().st_mtime_ns == stamp
     assert lines[0] == f"[1/2] method.name=fedavg seed=0: finished before, skipped -> {before.path}"
     assert records[1].path == tmp_path / "name=fedprox-seed=0" and records[1].summary["method"] == "fedprox"
+
+
+def test_a_sweep_over_methods_that_would_run_different_models_is_refused(tmp_path):
+    """FedDW brings model defaults of its own (a bias-free head, mapping layers): swept beside FedAvg on a config
+    that does not set them, the two would run different networks, and the table would call it a method
+    comparison. Setting the model in the config makes the sweep valid."""
+    raw = tiny_raw(train={"rounds": 1})
+    with pytest.raises(ConfigError, match=r"would differ in more than the swept keys.*\n  model\.\w+: .*"
+                                          r"\(method\.name=fedavg\).*\(method\.name=feddw\)"):
+        plan(raw, [], grid([parse_axis("method.name=fedavg,feddw")]), tmp_path)
+    assert not any(tmp_path.iterdir())
+    same = plan(raw, ["model.head_bias=false", "model.mapping=[128, 128]"],
+                grid([parse_axis("method.name=fedavg,feddw")]), tmp_path)
+    assert [p.config.model.params_dict()["mapping"] for p in same] == [[128, 128], [128, 128]]
+
+
+def test_a_sweep_over_an_entry_sweeps_its_parameters_with_it(tmp_path):
+    planned = plan(tiny_raw(train={"rounds": 1}), [], grid([parse_axis("partition.name=dirichlet,iid")]), tmp_path)
+    assert [p.config.partition.name for p in planned] == ["dirichlet", "iid"]  # their parameters differ: allowed

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import yaml
 
-from fedguide.config import Config, apply_overrides, build_config, parse_value, to_yaml
+from fedguide.config import Config, apply_overrides, build_config, flat_keys, parse_value, to_yaml
 from fedguide.registry import ConfigError
 
 if TYPE_CHECKING:
@@ -181,7 +181,41 @@ def plan(raw: dict[str, Any], overrides: Sequence[Union[str, tuple[str, Any]]], 
     if errors:
         raise ConfigError(f"{len(errors)} of {len(combos)} sweep combinations are invalid, so none ran:\n  "
                           + "\n  ".join(e.replace("\n", "\n    ") for e in errors))
+    check_like_with_like(planned)
     return planned
+
+
+# What a sweep's combinations may differ in beside the swept keys: the method's own section and regularisers
+# (a sweep over methods) and what fedguide writes (meta).
+OWN_PER_COMBINATION = ("method", "regularizers", "meta")
+
+
+def check_like_with_like(planned: Sequence[PlannedRun]) -> None:
+    """A sweep compares its combinations, so they must differ only in what it sweeps: a setting that resolves
+    differently for different combinations without being swept (a model default a method brought, ...) is an
+    error naming it, before anything runs."""
+    if len(planned) < 2:
+        return
+    swept = {k for p in planned for k, _ in p.combination.settings}
+    # Sweeping a section's entry (partition.name) sweeps that entry's parameters with it.
+    swept |= {k.rsplit(".", 1)[0] for k in swept if k.endswith(".name")}
+
+    def free(key: str) -> bool:
+        return not any(key == s or key.startswith(s + ".") for s in (*swept, *OWN_PER_COMBINATION))
+
+    flats = [{k: v for k, v in flat_keys(p.config.model_dump(mode="json")).items() if free(k)} for p in planned]
+    missing = object()
+    differing = sorted({k for f in flats for k in f if any(g.get(k, missing) != f.get(k, missing) for g in flats)})
+    if differing:
+        shown = []
+        for key in differing[:4]:
+            values = ", ".join(f"{json.dumps(f.get(key), default=str)} ({p.combination.label})"
+                               for f, p in zip(flats, planned))
+            shown.append(f"{key}: {values}")
+        raise ConfigError("the sweep's combinations would differ in more than the swept keys, so its table would "
+                          "compare unlike runs:\n  " + "\n  ".join(shown)
+                          + "\nset these keys in the config (or as overrides) so every combination shares them, or "
+                          "sweep them too")
 
 
 def _holding(folders: list[Path], cfg: Config) -> Optional["RunFolder"]:
