@@ -1,4 +1,4 @@
-"""FedDISC against its baselines (papers/feddisc.md Table 1) in two semi-supervised settings, seeds 0-2:
+"""FedDISC against its baselines (the FedDISC paper Table 1) in two semi-supervised settings, seeds 0-2:
 
 - digits (configs/feddisc_digits.yaml): the server holds the uci domain of digits_domains labeled, the
   fonts and mnistm_like domains are two unlabeled clients; a client's accuracy is its domain's test accuracy.

@@ -1,4 +1,4 @@
-"""FedDISC's "Fine-tuning" baseline (papers/feddisc.md Sec. 4.1, Table 1-2): the clients run FedDISC's
+"""FedDISC's "Fine-tuning" baseline (the FedDISC paper Sec. 4.1, Table 1-2): the clients run FedDISC's
 protocol unchanged (prototypes, pseudo-labels, noised k-means centroids and domain features, one upload;
 see _centroids.py), and the server trains the linear head on the frozen image encoder directly on the
 uploaded noised centroids with their pseudo-labels, generating nothing.

@@ -1,4 +1,4 @@
-"""FedAvg-sm (FedDISC's "Semi-supervised FedAvg" baseline, papers/feddisc.md Sec. 4.1: "using clients' data
+"""FedAvg-sm (FedDISC's "Semi-supervised FedAvg" baseline, the FedDISC paper Sec. 4.1: "using clients' data
 and corresponding pseudo-labels for conducting FedAvg, which requires client training and multiple rounds
 of communications"; 30 rounds in Table 1).
 

@@ -1,4 +1,5 @@
-"""FedDISC (papers/feddisc.md): one-shot semi-supervised FL with prototypes, client centroids and composed
+"""FedDISC ("Exploring One-shot Semi-supervised Federated Learning with A Pre-trained Diffusion Model"):
+one-shot semi-supervised FL with prototypes, client centroids and composed
 diffusion guidance.
 
 Steps 1-3 (prototypes, pseudo-labels, k-means centroids and domain features, noising) are the client

@@ -1,5 +1,5 @@
 """RSCFed (Liang, Lin, Fu, Zhu & Li, CVPR 2022, "RSCFed: Random Sampling Consensus Federated
-Semi-supervised Learning"), one of FedDISC's multi-round baselines (papers/feddisc.md Table 1; 100 rounds
+Semi-supervised Learning"), one of FedDISC's multi-round baselines (the FedDISC paper Table 1; 100 rounds
 there). Its paper is not among the project's papers: this follows its core ideas and the defaults of its
 released code's README (read, not copied), on FedDISC's classifier (frozen image encoder + linear head,
 see _head_federation).

@@ -1,5 +1,5 @@
 """SemiFL (Diao, Ding & Tarokh 2021, "SemiFL: Semi-Supervised Federated Learning for Unlabeled Clients with
-Alternate Training"), one of FedDISC's multi-round baselines (papers/feddisc.md Table 1; 500 rounds there).
+Alternate Training"), one of FedDISC's multi-round baselines (the FedDISC paper Table 1; 500 rounds there).
 Its paper is not among the project's papers: this follows its core idea, checked against the structure of
 its released code (read, not copied), on FedDISC's classifier (frozen image encoder + linear head, see
 _head_federation).
