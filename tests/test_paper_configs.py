@@ -148,7 +148,7 @@ def test_config_runs_its_papers_method_and_guidance(path: Path):
 def test_header_commands_are_parsed(tmp_path):
     """The command parser expands sweeps as the CLI does: fixed overrides first, then the grid."""
     cfg = tmp_path / "x.yaml"
-    cfg.write_text("# h\n#   fedguide run configs/paper/x.yaml a.b=1 --sweep c=1,2 --sweep d=3,4\nseed: 0\n")
+    cfg.write_text("# h\n#   fedguide run CONFIG a.b=1 --sweep c=1,2 --sweep d=3,4\nseed: 0\n")
     assert documented_runs(cfg) == [["a.b=1", "c=1", "d=3"], ["a.b=1", "c=1", "d=4"],
                                     ["a.b=1", "c=2", "d=3"], ["a.b=1", "c=2", "d=4"]]
 

@@ -44,7 +44,7 @@ def feddifrc_run(tmp_path_factory, tiny_sd):
 
 @pytest.fixture(scope="session")
 def sd_gen_run(tmp_path_factory, tiny_sd):
-    """SD_Gen on two clients of disjoint classes: 2 images per class a client holds (as tests/methods/test_fedcado.py)."""
+    """SD_Gen on two clients of disjoint classes: 2 images per class a client holds (as tests/methods/one_shot/test_fedcado.py)."""
     cache = tmp_path_factory.mktemp("features")
     raw = tiny_raw({"data": {**DIGITS_DOMAINS, "fraction": 0.1, "public_fraction": 0.1},
                     "model": {"name": "resnet10", "width": 4},

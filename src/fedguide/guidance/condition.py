@@ -1,7 +1,7 @@
 """An extra condition vector injected into the UNet's cross-attention context (FedDifRC's c_i = h(x_i)).
 
 The client encoder's output lives in its own d-dimensional space; a fixed linear map, seeded and never
-trained, carries it to the text encoder's hidden size (SPEC: FedDifRC decision). Modes:
+trained, carries it to the text encoder's hidden size (a decision where FedDifRC is silent). Modes:
 ``append`` adds it as one extra context token (the default decision), ``add`` adds it to every token
 (the released code), ``none`` leaves the context as it is.
 """
