@@ -39,6 +39,9 @@ SPECIAL = {
     "feddf": (REPO / "configs/fedcado_smoke.yaml", ["method.name=feddf", "method.local_epochs=5"]),
     **{name: (REPO / "configs/feddisc_smoke.yaml", [f"method.name={name}"])
        for name in ("feddisc", "centroid_finetune", "zero_shot", "fedavg_sm", "semifl", "rscfed")},
+    # Regularisers composed with a method: FedDW's term, payload, upload and server state beside the
+    # method's own (MOON's per-round state, FedProx's gradient edit).
+    **{f"{name}+dw": (SMOKE, [f"method.name={name}", "regularizers=[dw]"]) for name in ("fedavg", "moon", "fedprox")},
 }
 
 
@@ -67,7 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", default=None)
     args = ap.parse_args()
-    for name in args.only or METHODS.names():
+    for name in args.only or [*METHODS.names(), *(n for n in SPECIAL if n not in METHODS.names())]:
         try:
             print(f"{name:<18} {metrics_hash(name)}", flush=True)
         except Exception as err:  # a method that cannot run here is reported, the others go on

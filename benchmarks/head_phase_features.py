@@ -26,6 +26,7 @@ import fedguide.methods._personalise as personalise  # noqa: E402
 from fedguide.config import load_config  # noqa: E402
 from fedguide.fl.client_step import run_client  # noqa: E402
 from fedguide.fl.setup import open_run, prepare  # noqa: E402
+from fedguide.methods.compose import Hooks  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -41,7 +42,8 @@ def through_the_body():
 
 def fedrep_round(ctx, method, client: int):
     cfg = ctx.config
-    res = run_client(ctx, method, cfg.train, cfg.seed, 1, client, method.server_payload(1, client, ctx.initial_weights))
+    payload = Hooks(method).server_payload(1, client, ctx.initial_weights)
+    res = run_client(ctx, method, cfg.train, cfg.seed, 1, client, payload)
     return res.upload["shared"]
 
 

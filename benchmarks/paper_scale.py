@@ -55,7 +55,6 @@ from fedguide.data.sources.standin import StandinParams, plan, standin_section
 from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import prepare
 from fedguide.methods import Method
-from fedguide.methods.compose import Composed
 from fedguide.models import build_model
 from fedguide.registry import ConfigError
 
@@ -182,9 +181,9 @@ class Floor:
 
 
 def standard_loop(method_cls: type) -> bool:
-    """Whether the method's clients train with the standard local loop (a composed method's do, on its
-    composed loss), so that the floor takes the same steps."""
-    return method_cls.fit in (Method.fit, Composed.fit)
+    """Whether the method's clients train with the standard local loop (regularisers add their terms to its
+    loss), so that the floor takes the same steps."""
+    return method_cls.fit is Method.fit
 
 
 def round_sizes(prepared, clients: list[int]) -> list[int]:

@@ -138,9 +138,9 @@ def test_syncs_and_copies_inside_a_step_are_counted_per_step():
 class HostBatches(FedAvg):
     """A planted mistake: the method's own pass reads the client's host tensors (not ctx.batch)."""
 
-    def client_upload(self, model, ctx):
+    def client_upload(self, model, ctx, state):
         model(ctx.data.x[ctx.data.indices[:4]])
-        return super().client_upload(model, ctx)
+        return super().client_upload(model, ctx, state)
 
 
 def test_a_method_feeding_host_data_to_the_device_model_fails_naming_its_line(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ from fedguide.config import TrainConfig
 from fedguide.core.training import train_local
 from fedguide.methods import ClientContext
 from fedguide.methods.base import Method
+from fedguide.methods.compose import Regularizer
 
 
 class Counting(Method):
@@ -16,9 +17,9 @@ class Counting(Method):
         super().__init__(None, None)
         self.batches: list[int] = []
 
-    def local_loss(self, model, x, y, ctx):
+    def local_loss(self, model, x, y, ctx, state):
         self.batches.append(len(y))
-        return super().local_loss(model, x, y, ctx)
+        return super().local_loss(model, x, y, ctx, state)
 
 
 class Data:
@@ -59,23 +60,24 @@ class OwnScale(Method):
         self.boost = boost
 
     def begin_local(self, model, ctx):
-        self.scale = nn.Parameter(torch.tensor(2.0))
-        self.opt = torch.optim.SGD([self.scale], lr=0.1)
+        scale = nn.Parameter(torch.tensor(2.0))
+        return scale, torch.optim.SGD([scale], lr=0.1)
 
-    def local_optimizers(self, ctx):
-        return [self.opt]
+    def local_optimizers(self, ctx, state):
+        return [state[1]]
 
-    def local_loss(self, model, x, y, ctx):
-        return nn.functional.cross_entropy(self.scale * model(x), y) * self.boost
+    def local_loss(self, model, x, y, ctx, state):
+        return nn.functional.cross_entropy(state[0] * model(x), y) * self.boost
 
 
 def _own_scale(precision, boost=1.0):
     torch.manual_seed(0)
     method, model = OwnScale(boost), nn.Linear(4, 3)
     ctx = ClientContext(0, 1, Data(16), {}, {})
+    state = method.begin_local(model, ctx)
     train_local(model, method, ctx, TrainConfig(batch_size=8, lr=0.1, momentum=0.0, weight_decay=0.0,
-                                                precision=precision), torch.Generator().manual_seed(0))
-    return method.scale.detach().item(), model.weight.detach().clone()
+                                                precision=precision), torch.Generator().manual_seed(0), state)
+    return state[0].detach().item(), model.weight.detach().clone()
 
 
 def test_a_methods_own_optimiser_steps_on_unscaled_gradients_under_fp16():
@@ -91,3 +93,24 @@ def test_an_overflowing_step_is_skipped_for_the_methods_own_optimiser_too():
     assert scale == 2.0  # every step overflowed: neither optimiser stepped
     torch.manual_seed(0)
     assert torch.equal(weight, nn.Linear(4, 3).weight.detach())
+
+
+class Shift(Regularizer):
+    """A term that reads its part of the payload: the loss plus ``shift``."""
+
+    name = "shift"
+
+    def loss(self, model, x, y, ctx, payload):
+        return payload["shift"] + 0.0 * model(x).sum()
+
+
+def test_the_loop_adds_each_regularisers_term_with_its_part_of_the_payload():
+    def mean_loss(regularizers):
+        method = Counting()
+        method.regularizers = regularizers
+        torch.manual_seed(0)
+        ctx = ClientContext(0, 1, Data(8), {"shift": torch.tensor(100.0), "shift.shift": torch.tensor(5.0)}, {})
+        loss, _ = train_local(nn.Linear(4, 3), method, ctx, TrainConfig(batch_size=8), torch.Generator().manual_seed(0))
+        return loss
+
+    assert mean_loss([Shift(None, None)]) == pytest.approx(mean_loss([]) + 5.0)

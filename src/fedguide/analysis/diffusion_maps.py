@@ -33,7 +33,6 @@ from fedguide.guidance.fused import FusedFeatures, PCABasis
 from fedguide.guidance.shared import class_prompts, guidance_pixels
 from fedguide.methods.diffusion_guided._diffusion_features import prompt_maps
 from fedguide.methods.base import Method
-from fedguide.methods.compose import Composed
 
 NAME = "pca"
 IMAGES = 4
@@ -44,7 +43,7 @@ FUSED = "fused"
 
 def feature_sets(method: Method) -> list[tuple[str, DiffusionFeatures]]:
     """(name, features) of every fitted DiffusionFeatures the set-up method (or its parts) holds."""
-    holders = [method] + ([method.base, *method.regs] if isinstance(method, Composed) else [])
+    holders = [method, *method.regularizers]
     out = []
     for holder in holders:
         for attr, value in vars(holder).items():

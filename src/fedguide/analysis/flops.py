@@ -27,8 +27,9 @@ import torch
 
 from fedguide.analysis.opened import AnalysisRun
 from fedguide.analysis.output import new_figure, save_numbers, save_png
+from fedguide.core.training import local_objective, regularizer_terms
 from fedguide.methods.base import ClientContext, Method
-from fedguide.methods.compose import Composed
+from fedguide.methods.compose import Hooks
 from fedguide.methods.classic.fedavg import FedAvg
 from fedguide.registry import NoParams
 
@@ -39,8 +40,7 @@ PAPER = {"source": "FedDifRC App. C.2.10 (CIFAR-10 training)", "fedavg_gflops": 
 
 def uses_local_loop(method: Method) -> bool:
     """Whether the method's clients train with the default loop over ``local_loss``."""
-    base = method.base if isinstance(method, Composed) else method
-    return type(base).fit is Method.fit
+    return type(method).fit is Method.fit
 
 
 def step_flops(method: Method, model: torch.nn.Module, ctx: ClientContext, batch: torch.Tensor
@@ -52,14 +52,14 @@ def step_flops(method: Method, model: torch.nn.Module, ctx: ClientContext, batch
     data = ctx.data
     device = next(model.parameters()).device
     model.train()
-    method.begin_local(model, ctx)
+    state = method.begin_local(model, ctx)
     ctx.batch_indices = batch
     x, y = data.x[batch].to(device), data.y[batch].to(device)
     model.zero_grad(set_to_none=True)
     with FlopCounterMode(display=False) as counter:
-        loss = method.local_loss(model, x, y, ctx)
+        loss = local_objective(method, regularizer_terms(method, ctx), model, x, y, ctx, state)
         loss.backward()
-        method.after_backward(model, ctx)
+        method.after_backward(model, ctx, state)
     model.zero_grad(set_to_none=True)
     model.eval()
     per_op: dict[str, int] = defaultdict(int)
@@ -79,7 +79,7 @@ def client_context(run: AnalysisRun, method: Method, client_id: int) -> ClientCo
     from fedguide.core.device import to_device
 
     ctx, round_ = run.ctx, run.config.train.rounds
-    payload = method.server_payload(round_, client_id, run.final_weights)
+    payload = Hooks(method).server_payload(round_, client_id, run.final_weights)
     return ClientContext(client_id, round_, ctx.data.client(client_id), to_device(payload, ctx.device),
                          to_device(ctx.store.get(client_id), ctx.device), device_data=ctx.device_data)
 

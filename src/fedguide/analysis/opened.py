@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint
 from fedguide.fl.setup import Prepared, load_run_config, open_run, prepare
 from fedguide.methods import Method, RunContext
+from fedguide.methods.compose import Hooks
 from fedguide.models.split import SplitModel
 from fedguide.registry import ConfigError
 
@@ -111,9 +112,10 @@ class AnalysisRun:
         if not self._method_ready:
             from fedguide.core.device import to_device
 
-            method.setup()
+            hooks = Hooks(method)
+            hooks.setup()
             if self.checkpoint is not None:  # where the engine puts it on resume
-                method.load_server_state(to_device(self.checkpoint.method_state,
+                hooks.load_server_state(to_device(self.checkpoint.method_state,
                                                    ctx.device if method.on_device else torch.device("cpu")))
             ctx.layout.load(ctx.model, self.final_weights)  # a set-up may have used the live model
             ctx.model.eval()

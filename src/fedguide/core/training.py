@@ -1,8 +1,10 @@
 """The default local training loop (``Method.fit``): mini-batches gathered by index from the shared
 in-memory tensors, the method's ``local_loss`` per batch.
 
-It knows the method only by its hooks (``begin_local``, ``local_loss``, ``after_backward``) and the
-train settings only by their fields (``epochs``, ``local_steps``, ``batch_size``, optimiser keys), so
+It knows the method only by its hooks (``local_loss``, ``after_backward``, ``local_optimizers``, each
+given the round's state that the caller got from ``begin_local``), the regularisers it is trained with
+(``regularizers``: each one's ``loss`` joins the objective) and the train settings only by their fields
+(``epochs``, ``local_steps``, ``batch_size``, optimiser keys), so
 it sits below the methods and the config that use it.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
-def _backward_and_step(loss: torch.Tensor, model: torch.nn.Module, method: Any, ctx: Any,
+def _backward_and_step(loss: torch.Tensor, model: torch.nn.Module, method: Any, ctx: Any, state: Any,
                        optimizer: torch.optim.Optimizer, owned: list[torch.optim.Optimizer],
                        scaler: "torch.amp.GradScaler | None") -> None:
     """Backward, the method's gradient edits, the model's step and the method's own optimisers' steps (each where
@@ -34,7 +36,7 @@ def _backward_and_step(loss: torch.Tensor, model: torch.nn.Module, method: Any, 
     optimizer.zero_grad(set_to_none=True)
     if scaler is None:
         loss.backward()
-        method.after_backward(model, ctx)
+        method.after_backward(model, ctx, state)
         optimizer.step()
         for o in owned:
             if _has_grads(o):
@@ -45,7 +47,7 @@ def _backward_and_step(loss: torch.Tensor, model: torch.nn.Module, method: Any, 
     stepping = (optimizer, *[o for o in owned if _has_grads(o)])
     for o in stepping:
         scaler.unscale_(o)  # a method's gradient edits see the true gradients
-    method.after_backward(model, ctx)
+    method.after_backward(model, ctx, state)
     for o in stepping:
         scaler.step(o)  # skipped, each of them, when this step's gradients overflowed
     for o in owned:
@@ -53,14 +55,29 @@ def _backward_and_step(loss: torch.Tensor, model: torch.nn.Module, method: Any, 
     scaler.update()
 
 
+def regularizer_terms(method: Any, ctx: Any) -> list[tuple[Any, dict]]:
+    """(regulariser, its part of the client's payload) for each regulariser ``method`` is trained with."""
+    return [(r, r.own(ctx.payload)) for r in getattr(method, "regularizers", ())]
+
+
+def local_objective(method: Any, terms: list[tuple[Any, dict]], model: torch.nn.Module, x: torch.Tensor,
+                    y: torch.Tensor, ctx: Any, state: Any) -> torch.Tensor:
+    """The method's ``local_loss`` on one batch plus each regulariser's term."""
+    loss = method.local_loss(model, x, y, ctx, state)
+    for r, payload in terms:
+        loss = loss + r.loss(model, x, y, ctx, payload)
+    return loss
+
+
 def has_batchnorm(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
-def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generator: torch.Generator
-                ) -> tuple[float, int]:
+def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generator: torch.Generator,
+                state: Any = None) -> tuple[float, int]:
     """Run ``cfg.epochs`` epochs (or exactly ``cfg.local_steps`` steps) of the method's local
-    objective; returns (mean loss, steps).
+    objective on the round's ``state`` (what ``method.begin_local`` returned, called by the caller with the
+    model in training mode); returns (mean loss, steps).
 
     Batches come from ``ctx.device_data`` (the run's tensors where it computes, augmented with
     ``train.augment``) or, without it, are gathered from the client's host tensors. ``ctx.batch_indices``
@@ -70,9 +87,9 @@ def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generat
     n = len(data)
     optimizer = make_optimizer(model, cfg)
     model.train()
-    method.begin_local(model, ctx)
     # Optimisers of parameters the method owns beside the model's (Method.local_optimizers), built in begin_local.
-    owned = list(method.local_optimizers(ctx)) if hasattr(method, "local_optimizers") else []
+    owned = list(method.local_optimizers(ctx, state)) if hasattr(method, "local_optimizers") else []
+    terms = regularizer_terms(method, ctx)
     precision = getattr(cfg, "precision", "fp32")
     channels_last = getattr(cfg, "channels_last", False)
     device = feed.device if feed is not None else data.x.device
@@ -106,8 +123,8 @@ def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generat
                 if channels_last and x.dim() == 4:
                     x = x.contiguous(memory_format=torch.channels_last)
                 with autocast(device, precision):
-                    loss = method.local_loss(model, x, y, ctx)
-                _backward_and_step(loss, model, method, ctx, optimizer, owned, scaler)
+                    loss = local_objective(method, terms, model, x, y, ctx, state)
+                _backward_and_step(loss, model, method, ctx, state, optimizer, owned, scaler)
                 loss_sum += loss.detach().float()
             steps += 1
     if steps and not torch.isfinite(loss_sum):

@@ -13,6 +13,7 @@ from fedguide.core.device import to_device
 from fedguide.core.records import Record
 from fedguide.core.seeding import derive_seed, torch_generator
 from fedguide.methods.base import ClientContext, Method, RunContext
+from fedguide.methods.compose import Hooks
 
 
 @dataclass
@@ -39,8 +40,8 @@ def run_client(ctx: RunContext, method: Method, train: TrainConfig, seed: int, r
     ctx.layout.load(ctx.model, method.client_start(cctx))
     torch.manual_seed(derive_seed(seed, "client", round_, client_id))
     t0 = time.perf_counter()
-    loss = method.fit(ctx.model, cctx, train)
-    upload = method.client_upload(ctx.model, cctx)
+    loss, state = method.fit(ctx.model, cctx, train)
+    upload = Hooks(method).client_upload(ctx.model, cctx, state)
     fit_seconds = time.perf_counter() - t0
     if cctx.state_dirty:
         ctx.store.put(client_id, round_, cctx.state)

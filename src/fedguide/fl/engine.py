@@ -26,6 +26,7 @@ from fedguide.fl.runtimes.base import Executor, RunHandle, Runtime, runtime_of
 from fedguide.data.device_data import SHARED_DECISION
 from fedguide.fl.setup import Prepared, client_processes_on_device, open_run
 from fedguide.methods import Method, RunContext
+from fedguide.methods.compose import Hooks
 from fedguide.registry import ConfigError
 
 # Per-round metrics that measure the machine, not the run: excluded when comparing runs for identity.
@@ -109,6 +110,8 @@ class Experiment:
     def _run(self, resume: bool) -> dict[str, Any]:
         t_setup = time.perf_counter()  # set-up: the run context, the method's set-up (extraction, generation, ...)
         ctx, method = open_run(self.p, self.run_dir)
+        # The hooks its regularisers take part in, their records merged in (methods.compose).
+        self.hooks = hooks = Hooks(method)
         # The server sets up and evaluates with the clients' thread count: results then do not depend on
         # how many processes trained the clients.
         workers, threads = self.runtime.resources(min(self.cfg.clients.per_round, ctx.num_clients),
@@ -117,13 +120,13 @@ class Experiment:
         ckpt = load_checkpoint(self.folder.checkpoints) if resume else None
         notes: dict[str, Any] = {}
         if ckpt is None:
-            method.setup()
+            hooks.setup()
             self._write_static()  # after a set-up that can refuse: a refused run leaves no run behind
             global_w, metrics, start, wall0 = method.init_global(ctx.initial_weights.clone()), [], 1, 0.0
         else:
             notes = self._check_resumable(ckpt)
-            method.setup()
-            method.load_server_state(to_device(ckpt.method_state, ctx.device if method.on_device else "cpu"))
+            hooks.setup()
+            hooks.load_server_state(to_device(ckpt.method_state, ctx.device if method.on_device else "cpu"))
             global_w, metrics, start, wall0 = (ckpt.global_weights.to(ctx.device), ckpt.metrics, ckpt.round + 1,
                                                ckpt.wall_seconds)
             self.folder.write_metrics(metrics)
@@ -164,7 +167,7 @@ class Experiment:
                                              "--out NEW_FOLDER train.lr=<lower>") from None
                 metrics.append(m)
                 save_checkpoint(self.folder.checkpoints,
-                                Checkpoint(r, global_w, method.server_state(), metrics,
+                                Checkpoint(r, global_w, hooks.server_state(), metrics,
                                            wall0 + time.perf_counter() - t_run, pinned, notes))
                 self.folder.write_metrics(metrics)
                 ctx.store.commit(r)
@@ -193,7 +196,7 @@ class Experiment:
         cfg = self.cfg
         t0 = time.perf_counter()
         chosen = sample_clients(cfg.seed, r, ctx.num_clients, min(cfg.clients.per_round, ctx.num_clients))
-        jobs = [(cid, method.server_payload(r, cid, global_w)) for cid in chosen]
+        jobs = [(cid, self.hooks.server_payload(r, cid, global_w)) for cid in chosen]
         down = sum(record_bytes(payload) for _, payload in jobs)
         results = clients.run_round(r, jobs, global_w)
         for res in results:
@@ -209,7 +212,7 @@ class Experiment:
         n_sum = sum(res.num_samples for res in trained)
         loss = sum(res.loss * res.num_samples for res in trained) / max(n_sum, 1) if trained else None
         t_train = time.perf_counter()
-        global_w = method.aggregate(r, global_w, uploads)
+        global_w = self.hooks.aggregate(r, global_w, uploads)
         t_agg = time.perf_counter()
         evaluation = round_evaluation(cfg, ctx, method, r, global_w)
         t_eval = time.perf_counter()

@@ -31,7 +31,7 @@ from fedguide.data.sources import DATASETS
 from fedguide.extras import require_extras
 from fedguide.fl.runtimes.base import RUNTIMES
 from fedguide.methods import METHODS, Method, RunContext
-from fedguide.methods.compose import REGULARIZERS, Composed, build_regularizers
+from fedguide.methods.compose import REGULARIZERS, Hooks, build_regularizers, with_regularizers
 from fedguide.models import MODELS, build_model
 from fedguide.registry import ConfigError
 
@@ -212,11 +212,11 @@ def open_run(prepared: Prepared, run_dir: Path, setup: bool = False) -> tuple[Ru
     )
     method = prepared.method_cls(prepared.params["method"], ctx)
     if cfg.regularizers:
-        method = Composed(method, build_regularizers(cfg.regularizers, ctx))
+        method = with_regularizers(method, build_regularizers(cfg.regularizers, ctx))
     if setup:
         if train.deterministic:  # a client-side process keeps the setting for its whole life
             deterministic(True).__enter__()
-        method.setup()
+        Hooks(method).setup()
     return ctx, method
 
 

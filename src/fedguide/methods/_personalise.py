@@ -67,13 +67,10 @@ def top_layers_start(layout: WeightLayout, model: torch.nn.Module, layers: int, 
 class _CrossEntropy:
     """The local loop's hooks for plain cross-entropy (fine-tuning ignores the method's own objective)."""
 
-    def begin_local(self, model: Any, ctx: Any) -> None:
-        pass
-
-    def local_loss(self, model: Any, x: torch.Tensor, y: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def local_loss(self, model: Any, x: torch.Tensor, y: torch.Tensor, ctx: Any, state: Any) -> torch.Tensor:
         return F.cross_entropy(model(x), y)
 
-    def after_backward(self, model: Any, ctx: Any) -> None:
+    def after_backward(self, model: Any, ctx: Any, state: Any) -> None:
         pass
 
 

@@ -3,12 +3,13 @@
 A method overrides only what differs from FedAvg. Server-side hooks: ``setup``, ``server_payload``,
 ``aggregate``, ``evaluate``; client-side hooks: ``client_start``, ``fit`` (the client's training: by
 default the local loop below, which calls ``begin_local``, ``local_loss`` and ``after_backward``),
-``client_upload``. Payloads and uploads are plain records (dicts of tensors and scalars) so the same
-method runs in-process and across a network.
+``client_upload``. A client's state of the round passes between its hooks as the object ``begin_local``
+returns (``fit``'s own, where it trains its own way), never through the context. Payloads and uploads
+are plain records (dicts of tensors and scalars) so the same method runs in-process and across a network.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Sequence
 
 import numpy as np
 import torch
@@ -45,6 +46,10 @@ class Method:
     # features, one-shot classifiers trained in their own loops): their payloads, client state, uploads
     # and server state stay on the CPU. True: all of those are moved to the run's device.
     on_device: ClassVar[bool] = True
+    # The regularisers this method is trained with (methods.compose): the config's ``regularizers:``, added
+    # when the run is opened, after any the method brings itself (FedDW's). They are applied from this list by
+    # the local loop and by ``compose.Hooks``; a method never calls them.
+    regularizers: Sequence[Any] = ()  # of compose.Regularizer
 
     def __init__(self, params: BaseModel, run: "RunContext"):
         self.params = params
@@ -89,35 +94,45 @@ class Method:
         """The weights local training starts from."""
         return ctx.payload["weights"]
 
-    def fit(self, model: "SplitModel", ctx: ClientContext, train: "TrainConfig") -> Optional[float]:
+    def fit(self, model: "SplitModel", ctx: ClientContext, train: "TrainConfig") -> tuple[Optional[float], Any]:
         """The client's training of ``model`` (the run's live model, holding ``client_start``'s weights);
-        returns the mean training loss, or None when the run's model took no step (the round's ``loss``
-        is then the mean over the clients that trained). The default is the local loop: epochs (or
-        ``train.local_steps`` steps) of ``local_loss`` with ``local_train(train)``'s settings. Methods
-        that train differently (one-shot clients training their own architectures, frozen-encoder heads,
-        inference-only clients) override this instead of switching the loop off."""
-        loss, ctx.steps = train_local(model, self, ctx, self.local_train(train), ctx.generator)
-        return loss if ctx.steps else None
+        returns (the mean training loss, or None when the run's model took no step, the round's state for
+        ``client_upload``). The round's ``loss`` is the mean over the clients that trained. The default is the
+        local loop: epochs (or ``train.local_steps`` steps) of ``local_loss`` with ``local_train(train)``'s
+        settings, on the state ``begin_local`` returns. Methods that train differently (one-shot clients
+        training their own architectures, frozen-encoder heads, inference-only clients) override this instead
+        of switching the loop off, and return a state of their own (or None)."""
+        model.train()  # begin_local's own passes (SCAFFOLD's full gradient) see the model as the loop trains it
+        state = self.begin_local(model, ctx)
+        loss, ctx.steps = train_local(model, self, ctx, self.local_train(train), ctx.generator, state)
+        return (loss if ctx.steps else None), state
 
-    def begin_local(self, model: "SplitModel", ctx: ClientContext) -> None:
-        """After the start weights are loaded, before the first step (cache anchors in ctx.scratch)."""
+    def begin_local(self, model: "SplitModel", ctx: ClientContext) -> Any:
+        """After the start weights are loaded, before the first step: this round's state on the client (a
+        small dataclass of the method's own: anchor weights, frozen models, cached targets), which the loop
+        hands to ``local_loss``, ``after_backward`` and ``local_optimizers``, and ``fit`` to ``client_upload``.
+        It lives for the round and is never stored; what a client keeps goes in ``ctx.update_state``."""
+        return None
 
-    def local_loss(self, model: "SplitModel", x: torch.Tensor, y: torch.Tensor, ctx: ClientContext) -> torch.Tensor:
+    def local_loss(self, model: "SplitModel", x: torch.Tensor, y: torch.Tensor, ctx: ClientContext,
+                   state: Any) -> torch.Tensor:
         return F.cross_entropy(model(x), y)
 
-    def after_backward(self, model: "SplitModel", ctx: ClientContext) -> None:
+    def after_backward(self, model: "SplitModel", ctx: ClientContext, state: Any) -> None:
         """Between backward and the optimiser step: edit gradients in place (a closed-form term's
         gradient is cheaper added here than traced by autograd)."""
 
-    def local_optimizers(self, ctx: ClientContext) -> list[torch.optim.Optimizer]:
+    def local_optimizers(self, ctx: ClientContext, state: Any) -> list[torch.optim.Optimizer]:
         """Optimisers of parameters the method owns beside the model's (SemanticFL's learned text projection,
-        FedNH's learned scale), built in ``begin_local``. The local loop steps them with the model's optimiser,
-        after it, and zeroes their gradients; under ``train.precision: fp16`` their gradients are unscaled with
-        the model's (before ``after_backward``) and their step is skipped on overflow like the model's. A
-        method must not step them itself: it would step on gradients scaled by the loss scale."""
+        FedNH's learned scale), built in ``begin_local`` and kept in its state. The local loop steps them with
+        the model's optimiser, after it, and zeroes their gradients; under ``train.precision: fp16`` their
+        gradients are unscaled with the model's (before ``after_backward``) and their step is skipped on
+        overflow like the model's. A method must not step them itself: it would step on gradients scaled by
+        the loss scale."""
         return []
 
-    def client_upload(self, model: "SplitModel", ctx: ClientContext) -> Record:
+    def client_upload(self, model: "SplitModel", ctx: ClientContext, state: Any) -> Record:
+        """What the client sends back after ``fit``; ``state`` is the round's state ``fit`` returned."""
         return {"weights": self.run.layout.flatten(model), "num_samples": len(ctx.data)}
 
     # ---- server -------------------------------------------------------------------------------

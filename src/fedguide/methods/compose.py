@@ -1,9 +1,23 @@
 """Regularisers that compose with any method ("+DW" in FedDW's Table IV).
 
-A regulariser adds a term to a method's local objective and may carry its own server payload,
-client upload and server-side aggregation. ``Composed`` wraps a method and its regularisers into one
-Method: the engine, the worker pool and network runtimes see nothing new. A regulariser's records
-travel under the keys ``<name>.<key>`` so they never collide with the method's.
+A regulariser adds a term to a method's local objective and may carry its own server payload, client
+upload, server-side aggregation and server state. A method holds the regularisers it is trained with in
+``Method.regularizers`` (``with_regularizers`` adds the config's ``regularizers:`` when the run is opened;
+a method may bring its own, as FedDW brings DW) and never calls them itself: they are applied from that
+list, as callbacks are.
+
+- The local loop (``core.training.train_local``) adds each regulariser's ``loss`` to the method's
+  ``local_loss``; that is the only place a term can go, so a method that trains in its own ``fit`` refuses
+  regularisers when they are added.
+- Everything else goes through ``Hooks``, the one object the engine, the client step and the analyses call
+  for the hooks regularisers take part in (``setup``, ``server_payload``, ``client_upload``, ``aggregate``,
+  ``server_state``, ``load_server_state``): it calls the method's hook and merges each regulariser's part.
+  A call site wraps the method once (``Hooks(method)``) and calls the method itself for the rest, so it
+  knows nothing of regularisers beyond that.
+
+A regulariser's records travel and are checkpointed under the keys ``<name>.<key>`` so they never collide
+with the method's. Being a list on the method (not a wrapper around it) keeps the method's type, its
+attributes and its other hooks as they are for whoever holds it: the runtimes, the analyses, the tests.
 """
 from __future__ import annotations
 
@@ -29,6 +43,12 @@ class Regularizer:
         self.params = params
         self.run = run
 
+    def own(self, record: Record) -> Record:
+        """This regulariser's entries of a merged record (a payload, an upload, a server state), without the
+        ``<name>.`` prefix."""
+        prefix = f"{self.name}."
+        return {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
+
     def setup(self) -> None:
         pass
 
@@ -51,86 +71,62 @@ class Regularizer:
         pass
 
 
-def _own(record: Record, prefix: str) -> Record:
-    return {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
+def with_regularizers(method: Method, regularizers: list[Regularizer]) -> Method:
+    """``method`` trained with ``regularizers`` besides those it brings; refused where its clients train in
+    their own loop."""
+    if regularizers and type(method).fit is not Method.fit:
+        # Its own loop calls its own loss: a regulariser's term would be dropped without a word.
+        names = ", ".join(r.name for r in regularizers)
+        raise ConfigError(f"regularizers [{names}] add a term to the local loop's objective, but method "
+                          f"'{type(method).__name__}' trains its clients in its own loop (Method.fit), where the "
+                          "term has no place; remove the regularizers or choose a method trained by the local loop")
+    method.regularizers = [*method.regularizers, *regularizers]
+    return method
 
 
-class Composed(Method):
-    """A method plus regularisers, itself a Method: every hook delegates to the base method and the
-    regularisers add their terms and records."""
+class Hooks:
+    """The method's hooks with its regularisers' parts merged in: what the engine, the client step and the
+    analyses call for ``setup``, ``server_payload``, ``client_upload``, ``aggregate`` and the server state.
+    The method's part comes first in a record and regularisers' keys are ``<name>.<key>``."""
 
-    def __init__(self, base: Method, regularizers: list[Regularizer]):
-        if type(base).fit is not Method.fit:
-            # Its own loop calls its own loss: a regulariser's term would be dropped without a word.
-            names = ", ".join(r.name for r in regularizers)
-            raise ConfigError(f"regularizers [{names}] add a term to the local loop's objective, but method "
-                              f"'{type(base).__name__}' trains its clients in its own loop (Method.fit), where the "
-                              "term has no place; remove the regularizers or choose a method trained by the local loop")
-        super().__init__(base.params, base.run)
-        self.base, self.regs = base, regularizers
-        self.on_device = base.on_device
-        self.prefixes = [f"{r.name}." for r in regularizers]
+    def __init__(self, method: Method):
+        self.method = method
+        self.regularizers = list(method.regularizers)
 
-    def setup(self):
-        self.base.setup()
-        for r in self.regs:
+    def _merge(self, record: Record, parts) -> Record:
+        out = dict(record)
+        for r, part in zip(self.regularizers, parts):
+            out.update({f"{r.name}.{k}": v for k, v in part.items()})
+        return out
+
+    def setup(self) -> None:
+        self.method.setup()
+        for r in self.regularizers:
             r.setup()
 
-    def init_global(self, weights):
-        return self.base.init_global(weights)
+    def server_payload(self, round_: int, client_id: int, global_weights: torch.Tensor) -> Record:
+        return self._merge(self.method.server_payload(round_, client_id, global_weights),
+                           [r.server_payload(round_, client_id) for r in self.regularizers])
 
-    def server_payload(self, round_, client_id, global_weights):
-        payload = dict(self.base.server_payload(round_, client_id, global_weights))
-        for r, pre in zip(self.regs, self.prefixes):
-            payload.update({pre + k: v for k, v in r.server_payload(round_, client_id).items()})
-        return payload
+    def client_upload(self, model, ctx: ClientContext, state: Any) -> Record:
+        upload = self.method.client_upload(model, ctx, state)
+        return self._merge(upload, [r.client_upload(model, ctx, r.own(ctx.payload)) for r in self.regularizers])
 
-    def local_train(self, train):
-        return self.base.local_train(train)
+    def aggregate(self, round_: int, global_weights: torch.Tensor, uploads: list[Record]) -> torch.Tensor:
+        # The regularisers' server state follows this round's uploads before the method aggregates, as their
+        # payloads of the next round are built from it.
+        for r in self.regularizers:
+            r.aggregate(round_, [{**r.own(u), "client_id": u["client_id"]} for u in uploads])
+        return self.method.aggregate(round_, global_weights, uploads)
 
-    def client_start(self, ctx):
-        return self.base.client_start(ctx)
+    def server_state(self) -> dict[str, torch.Tensor]:
+        return self._merge(self.method.server_state(), [r.server_state() for r in self.regularizers])
 
-
-    def begin_local(self, model, ctx):
-        self.base.begin_local(model, ctx)
-
-    def local_loss(self, model, x, y, ctx):
-        loss = self.base.local_loss(model, x, y, ctx)
-        for r, pre in zip(self.regs, self.prefixes):
-            loss = loss + r.loss(model, x, y, ctx, _own(ctx.payload, pre))
-        return loss
-
-    def after_backward(self, model, ctx):
-        self.base.after_backward(model, ctx)
-
-    def client_upload(self, model, ctx):
-        upload = dict(self.base.client_upload(model, ctx))
-        for r, pre in zip(self.regs, self.prefixes):
-            upload.update({pre + k: v for k, v in r.client_upload(model, ctx, _own(ctx.payload, pre)).items()})
-        return upload
-
-    def aggregate(self, round_, global_weights, uploads):
-        for r, pre in zip(self.regs, self.prefixes):
-            r.aggregate(round_, [{**_own(u, pre), "client_id": u["client_id"]} for u in uploads])
-        return self.base.aggregate(round_, global_weights, uploads)
-
-    def evaluate(self, round_, global_weights):
-        return self.base.evaluate(round_, global_weights)
-
-    def personal_model(self, round_, client_id, global_weights):
-        return self.base.personal_model(round_, client_id, global_weights)
-
-    def server_state(self):
-        state = dict(self.base.server_state())
-        for r, pre in zip(self.regs, self.prefixes):
-            state.update({pre + k: v for k, v in r.server_state().items()})
-        return state
-
-    def load_server_state(self, state):
-        for r, pre in zip(self.regs, self.prefixes):
-            r.load_server_state(_own(state, pre))
-        self.base.load_server_state({k: v for k, v in state.items() if not any(k.startswith(p) for p in self.prefixes)})
+    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+        prefixes = tuple(f"{r.name}." for r in self.regularizers)
+        for r in self.regularizers:
+            r.load_server_state(r.own(state))
+        self.method.load_server_state({k: v for k, v in state.items() if not k.startswith(prefixes)})
 
 
 def build_regularizers(specs: list, run: Any) -> list[Regularizer]:

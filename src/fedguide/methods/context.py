@@ -71,7 +71,6 @@ class ClientContext:
     data: "ClientData"
     payload: Record
     state: dict[str, Any]
-    scratch: dict[str, Any] = field(default_factory=dict)  # per-round, never persisted
     state_dirty: bool = False
     steps: int = 0  # optimiser steps taken in this round's local training (set by ``Method.fit``)
     # Global sample indices of the batch ``local_loss`` is called with (per-sample cached features), on the host,

@@ -72,17 +72,18 @@ def test_round_one_is_plain_cross_entropy_and_later_rounds_add_the_term(tmp_path
     from fedguide.methods import ClientContext
 
     first = ClientContext(1, 1, data, method.server_payload(1, 1, ctx.initial_weights), {})
-    method.begin_local(ctx.model, first)
+    state = method.begin_local(ctx.model, first)
     with torch.no_grad():
         logits = ctx.model(x)
-        assert method.local_loss(ctx.model, x, y, first).item() == pytest.approx(F.cross_entropy(logits, y).item())
+        got = method.local_loss(ctx.model, x, y, first, state).item()
+        assert got == pytest.approx(F.cross_entropy(logits, y).item())
     method.class_logits = torch.randn(10, 10, generator=torch.Generator().manual_seed(0))
     method.known = torch.ones(10, dtype=torch.bool)
     later = ClientContext(1, 2, data, method.server_payload(2, 1, ctx.initial_weights), {})
-    method.begin_local(ctx.model, later)
+    state = method.begin_local(ctx.model, later)
     with torch.no_grad():
         expected = F.cross_entropy(logits, y) + 0.5 * F.mse_loss(logits, method.class_logits[y])
-        assert method.local_loss(ctx.model, x, y, later).item() == pytest.approx(expected.item(), rel=1e-6)
+        assert method.local_loss(ctx.model, x, y, later, state).item() == pytest.approx(expected.item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("name", ["feddistill_plus", "feduv"])

@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 
 from fedguide.config import build_config
 from fedguide.fl.engine import Experiment
+from fedguide.core.training import local_objective, regularizer_terms
 from fedguide.fl.setup import prepare
 from fedguide.methods.base import ClientContext
+from fedguide.methods.compose import Hooks
 from fedguide.methods.classic.feddw import DWParams, aggregate_soft_labels, class_relation, dw_loss, mu_at, soft_label_matrix
 from fedguide.models import MODELS, ModelSpec, build_model
 from fedguide.registry import ConfigError
@@ -140,24 +142,25 @@ def test_feddw_mnist_paper_configs_use_the_unpooled_cnn(setting):
 def test_moon_plus_dw_loss_is_moon_loss_plus_mu_times_lreg(tmp_path):
     cfg = tiny({"name": "moon"}, regularizers=[{"name": "dw", "mu": 0.7}])
     exp = Experiment(prepare(cfg), tmp_path / "run", log=lambda s: None)
-    ctx, composed = exp.build_context()
-    composed.setup()
+    ctx, method = exp.build_context()
+    hooks = Hooks(method)
+    hooks.setup()
     model = ctx.model
     g = torch.Generator().manual_seed(0)
     sl = torch.softmax(torch.randn(10, 10, generator=g), 1)
-    composed.regs[0].sl = sl  # a non-trivial global SL matrix
+    method.regularizers[0].sl = sl  # a non-trivial global SL matrix
     prev = ctx.initial_weights + 0.01 * torch.randn(ctx.initial_weights.shape, generator=g)
-    payload = composed.server_payload(2, 0, ctx.initial_weights)
+    payload = hooks.server_payload(2, 0, ctx.initial_weights)
     assert torch.equal(payload["dw.sl"], sl)
     cctx = ClientContext(0, 2, ctx.data.client(0), payload, {"prev_weights": prev})
-    ctx.layout.load(model, composed.client_start(cctx))
-    composed.begin_local(model, cctx)
-    assert cctx.scratch["moon"] is not None  # MOON's contrastive term is active
+    ctx.layout.load(model, method.client_start(cctx))
+    state = method.begin_local(model, cctx)
+    assert state is not None  # MOON's contrastive term is active
     x, y = ctx.data.client(0).x[:16], ctx.data.client(0).y[:16]
     torch.manual_seed(0)
-    total = composed.local_loss(model, x, y, cctx)
+    total = local_objective(method, regularizer_terms(method, cctx), model, x, y, cctx, state)
     torch.manual_seed(0)
-    moon_only = composed.base.local_loss(model, x, y, cctx)
+    moon_only = method.local_loss(model, x, y, cctx, state)
     assert total.item() == pytest.approx(moon_only.item() + 0.7 * dw_loss(sl, model.head.weight).item(), rel=1e-6)
 
 

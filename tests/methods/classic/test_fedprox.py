@@ -97,18 +97,18 @@ def test_local_loss_adds_proximal_term(mu):
     model = nn.Linear(3, 2)
     method = FedProx(FedProxParams(mu=mu, gradient="autograd"), run=None)
     ctx = _ctx()
-    method.begin_local(model, ctx)
+    state = method.begin_local(model, ctx)
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
 
     # At the anchor the loss is plain cross-entropy.
-    assert method.local_loss(model, x, y, ctx).item() == pytest.approx(F.cross_entropy(model(x), y).item())
+    assert method.local_loss(model, x, y, ctx, state).item() == pytest.approx(F.cross_entropy(model(x), y).item())
 
     # Move the weights; the anchor is a snapshot and stays put.
     with torch.no_grad():
         model.weight.add_(1.0)
     ce = F.cross_entropy(model(x), y).item()
     expected = ce + 0.5 * mu * model.weight.numel()  # each of the 6 weights moved by 1
-    assert method.local_loss(model, x, y, ctx).item() == pytest.approx(expected, rel=1e-5)
+    assert method.local_loss(model, x, y, ctx, state).item() == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("mu", [0.0, 0.3])
@@ -123,12 +123,12 @@ def test_direct_gradient_equals_autograd_of_the_proximal_objective(mu):
         model.reset_parameters()
         method = FedProx(FedProxParams(mu=mu, gradient=mode), run=None)
         ctx = _ctx()
-        method.begin_local(model, ctx)
+        state = method.begin_local(model, ctx)
         with torch.no_grad():
             model.weight.add_(1.0)
         model.zero_grad()
-        method.local_loss(model, x, y, ctx).backward()
-        method.after_backward(model, ctx)
+        method.local_loss(model, x, y, ctx, state).backward()
+        method.after_backward(model, ctx, state)
         grads[mode] = (model.weight.grad.clone(), model.bias.grad.clone())
     torch.testing.assert_close(grads["direct"][0], grads["autograd"][0])
     torch.testing.assert_close(grads["direct"][1], grads["autograd"][1])

@@ -63,6 +63,6 @@ def test_local_loss_is_ce_plus_weighted_terms(tmp_path):
         z, logits = model.forward_features(x)
         expected = (F.cross_entropy(logits, y) + 2.0 * variance_loss(logits, iid_target_std(10))
                     + 0.25 * uniformity_loss(z))
-        got = method.local_loss(model, x, y, None)
+        got = method.local_loss(model, x, y, None, None)
     assert got.item() == pytest.approx(expected.item(), rel=1e-6)
     assert method.gamma == pytest.approx(math.sqrt(0.1))

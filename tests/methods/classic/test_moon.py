@@ -120,9 +120,10 @@ def test_first_participation_is_plain_cross_entropy():
     method = Moon(MoonParams(), run)
     g = run.layout.flatten(run.model)
     ctx = ctx_for(run, g, {})
-    method.begin_local(run.model, ctx)
+    state = method.begin_local(run.model, ctx)
     x, y = torch.randn(6, *shape), torch.tensor([0, 1, 2, 0, 1, 2])
-    assert method.local_loss(run.model, x, y, ctx).item() == pytest.approx(F.cross_entropy(run.model(x), y).item())
+    got = method.local_loss(run.model, x, y, ctx, state).item()
+    assert got == pytest.approx(F.cross_entropy(run.model(x), y).item())
     assert method._glob is None, "no frozen model is built when there is no previous model"
 
 
@@ -138,7 +139,7 @@ def test_loss_is_ce_plus_mu_times_contrast_with_frozen_models(name, params, shap
     run.layout.load(run.model, glob_w)  # local training starts from the global weights
     run.model.train()
     ctx = ctx_for(run, glob_w, {"prev_weights": prev_w})
-    method.begin_local(run.model, ctx)
+    state = method.begin_local(run.model, ctx)
 
     # Reference: independent eval-mode copies with the global and previous weights.
     ref_glob, ref_prev = run.make_model().eval(), run.make_model().eval()
@@ -149,11 +150,11 @@ def test_loss_is_ce_plus_mu_times_contrast_with_frozen_models(name, params, shap
     with torch.no_grad():
         z, logits = run.model.forward_features(x)
         expected = F.cross_entropy(logits, y) + mu * moon_contrastive_loss(z, ref_glob.encoder(x), ref_prev.encoder(x), tau)
-    loss = method.local_loss(run.model, x, y, ctx)
+    loss = method.local_loss(run.model, x, y, ctx, state)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
     loss.backward()
-    glob, prev = ctx.scratch["moon"]
+    glob, prev = state.glob, state.prev
     for frozen in (glob, prev):
         assert not frozen.training
         assert all(p.grad is None and not p.requires_grad for p in frozen.parameters())
@@ -184,10 +185,10 @@ def test_upload_keeps_the_local_model_as_the_next_previous():
     run, _ = make_run()
     method = Moon(MoonParams(), run)
     ctx = ctx_for(run, run.layout.flatten(run.model), {})
-    method.begin_local(run.model, ctx)
+    state = method.begin_local(run.model, ctx)
     with torch.no_grad():
         next(run.model.parameters()).add_(1.0)
-    upload = method.client_upload(run.model, ctx)
+    upload = method.client_upload(run.model, ctx, state)
     assert ctx.state_dirty
     assert torch.equal(ctx.state["prev_weights"], run.layout.flatten(run.model))
     assert torch.equal(upload["weights"], ctx.state["prev_weights"])
@@ -199,8 +200,10 @@ def test_mu_zero_is_fedavg_and_keeps_no_state():
     run, shape = make_run()
     method = Moon(MoonParams(mu=0.0), run)
     ctx = ctx_for(run, run.layout.flatten(run.model), {"prev_weights": other_weights(run, 1)})
-    method.begin_local(run.model, ctx)
+    state = method.begin_local(run.model, ctx)
+    assert state is None
     x, y = torch.randn(4, *shape), torch.tensor([0, 1, 2, 0])
-    assert method.local_loss(run.model, x, y, ctx).item() == pytest.approx(F.cross_entropy(run.model(x), y).item())
-    method.client_upload(run.model, ctx)
+    got = method.local_loss(run.model, x, y, ctx, state).item()
+    assert got == pytest.approx(F.cross_entropy(run.model(x), y).item())
+    method.client_upload(run.model, ctx, state)
     assert not ctx.state_dirty

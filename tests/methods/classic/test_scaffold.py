@@ -14,7 +14,6 @@ from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import prepare
 from fedguide.core.seeding import derive_seed, torch_generator
 from fedguide.core.state import ClientStateStore
-from fedguide.core.training import train_local
 from fedguide.core.weights import WeightLayout
 from fedguide.methods import ClientContext
 from fedguide.methods.classic.scaffold import (Scaffold, ScaffoldParams, control_update, correction_term,
@@ -130,9 +129,9 @@ def test_local_loss_gradient_is_ce_gradient_minus_ci_plus_c():
     c = torch.arange(8, dtype=torch.float32) / 10
     c_i = torch.full((8,), 0.05)
     ctx = ClientContext(0, 2, None, {"control": c}, {"control": c_i})
-    method.begin_local(model, ctx)
+    state = method.begin_local(model, ctx)
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
-    loss = method.local_loss(model, x, y, ctx)
+    loss = method.local_loss(model, x, y, ctx, state)
     assert loss.item() == pytest.approx(F.cross_entropy(model(x), y).item())  # reported loss stays CE
     loss.backward()
     got = torch.cat([model.weight.grad.reshape(-1), model.bias.grad])
@@ -145,8 +144,7 @@ def test_local_loss_gradient_is_ce_gradient_minus_ci_plus_c():
 def test_no_correction_when_controls_are_equal():
     model, method = _linear_method()
     ctx = ClientContext(0, 1, None, {"control": torch.zeros(8)}, {})
-    method.begin_local(model, ctx)
-    assert ctx.scratch["pairs"] is None
+    assert method.begin_local(model, ctx).pairs is None
 
 
 def test_params_default_and_validation():
@@ -181,13 +179,13 @@ def test_option1_control_is_the_full_local_gradient_at_the_server_model():
     method.run.train = TrainConfig(batch_size=4, momentum=0.9)
     x0 = method.run.layout.flatten(model)
     ctx = ClientContext(0, 2, data, {"weights": x0, "control": torch.full((8,), 0.1)}, {})
-    method.begin_local(model, ctx)
+    state = method.begin_local(model, ctx)
     F.cross_entropy(model(data.x), data.y).backward()  # the full-batch gradient, by hand
     full = torch.cat([model.weight.grad.reshape(-1), model.bias.grad])
     with torch.no_grad():
         model.weight.add_(1.0)  # local training moved the model: option I ignores where it went
     ctx.steps = 3
-    upload = method.client_upload(model, ctx)
+    upload = method.client_upload(model, ctx, state)
     assert torch.allclose(ctx.state["control"], full, atol=1e-6)
     assert torch.allclose(upload["delta_c"], full, atol=1e-6)  # c_i was 0
 
@@ -209,12 +207,11 @@ def _train_one_client(run_dir, method_name, **over):
     method.setup()
     cfg = exp.cfg
     payload = method.server_payload(1, 0, ctx.initial_weights.clone())
-    cctx = ClientContext(0, 1, ctx.data.client(0), payload, {})
+    cctx = ClientContext(0, 1, ctx.data.client(0), payload, {}, generator=torch_generator(cfg.seed, "client", 1, 0))
     ctx.layout.load(ctx.model, method.client_start(cctx))
     torch.manual_seed(derive_seed(cfg.seed, "client", 1, 0))
-    _, cctx.steps = train_local(ctx.model, method, cctx, method.local_train(cfg.train),
-                                torch_generator(cfg.seed, "client", 1, 0))
-    return ctx.layout.flatten(ctx.model), method.client_upload(ctx.model, cctx), payload
+    _, state = method.fit(ctx.model, cctx, cfg.train)
+    return ctx.layout.flatten(ctx.model), method.client_upload(ctx.model, cctx, state), payload
 
 
 def test_first_round_client_update_equals_fedavg(tmp_path):

@@ -70,12 +70,12 @@ def test_local_loss_is_cross_entropy_on_the_joined_batch(tmp_path, tiny_sd, fmni
                            setup=True)
     data = ctx.data.client(0)
     cctx = ClientContext(0, 1, data, method.server_payload(1, 0, ctx.initial_weights), {})
-    method.begin_local(ctx.model, cctx)
-    pool_x, pool_y = cctx.scratch["generated"]
+    state = method.begin_local(ctx.model, cctx)
+    pool_x, pool_y = state
     x, y = data.x[data.indices[:8]], data.y[data.indices[:8]]
     torch.manual_seed(3)
     with torch.no_grad():
-        got = method.local_loss(ctx.model, x, y, cctx)
+        got = method.local_loss(ctx.model, x, y, cctx, state)
     torch.manual_seed(3)
     jx, jy = mix(x, y, pool_x, pool_y, extra_count(8, len(pool_y), len(data)))
     assert len(jy) > 8

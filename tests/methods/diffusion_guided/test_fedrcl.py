@@ -310,10 +310,10 @@ def test_local_loss_is_ce_plus_weighted_mean_over_levels(name):
     method = FedRCL(p, run)
     run.model.train()
     c = ctx()
-    method.begin_local(run.model, c)
+    state = method.begin_local(run.model, c)
     torch.manual_seed(4)
     x, y = torch.randn(6, *shape), labels(0, 1, 0, 1, 2, 2)
-    loss = method.local_loss(run.model, x, y, c)
+    loss = method.local_loss(run.model, x, y, c, state)
     loss.backward()  # in-place ReLUs right after tapped points must not break autograd
 
     with torch.no_grad():
@@ -343,16 +343,16 @@ def test_hooks_never_accumulate_and_are_gone_after_upload():
     x, y = torch.randn(4, *shape), labels(0, 0, 1, 1)
     for _ in range(3):  # three clients on the one live model
         c = ctx()
-        method.begin_local(run.model, c)
+        state = method.begin_local(run.model, c)
         assert hook_count(run.model) == per_client
-        method.local_loss(run.model, x, y, c).backward()
-        method.client_upload(run.model, c)
+        method.local_loss(run.model, x, y, c, state).backward()
+        method.client_upload(run.model, c, state)
         assert hook_count(run.model) == 0
     # A client that failed before its upload leaves hooks; the next begin_local replaces them.
     method.begin_local(run.model, ctx())
     method.begin_local(run.model, ctx())
     assert hook_count(run.model) == per_client
-    method.client_upload(run.model, ctx())
+    method.client_upload(run.model, ctx(), None)
     assert hook_count(run.model) == 0
 
 
@@ -360,9 +360,9 @@ def test_weight_zero_is_plain_cross_entropy():
     run, shape = make_run("mlp")
     method = FedRCL(FedRCLParams(weight=0.0), run)
     c = ctx()
-    method.begin_local(run.model, c)
+    state = method.begin_local(run.model, c)
     x, y = torch.randn(5, *shape), labels(0, 0, 1, 1, 2)
-    assert method.local_loss(run.model, x, y, c).item() == pytest.approx(F.cross_entropy(run.model(x), y).item())
+    assert method.local_loss(run.model, x, y, c, state).item() == pytest.approx(F.cross_entropy(run.model(x), y).item())
 
 
 def test_setup_rejects_a_level_the_encoder_lacks():

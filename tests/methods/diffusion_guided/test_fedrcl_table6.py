@@ -26,24 +26,24 @@ def config(tiny_sd, fmnist_root, cache, **params):
 def client(ctx, method, cid=0):
     data = ctx.data.client(cid)
     cctx = ClientContext(cid, 1, data, method.server_payload(1, cid, ctx.initial_weights), {})
-    method.begin_local(ctx.model, cctx)
+    state = method.begin_local(ctx.model, cctx)
     idx = data.indices[:8]
     cctx.batch_indices = idx
-    return cctx, data.x[idx], data.y[idx]
+    return cctx, state, data.x[idx], data.y[idx]
 
 
 def test_generated_images_join_the_batch_every_level_sees(tmp_path, tiny_sd, fmnist_root):
     ctx, method = open_run(prepare(config(tiny_sd, fmnist_root, tmp_path / "c", generated=GEN)), tmp_path / "run",
                            setup=True)
-    cctx, x, y = client(ctx, method)
+    cctx, state, x, y = client(ctx, method)
     seen = []
     handle = ctx.model.encoder.register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
     try:
-        method.local_loss(ctx.model, x, y, cctx)
+        method.local_loss(ctx.model, x, y, cctx, state)
     finally:
         handle.remove()
         method._tap.detach()
-    pool = cctx.scratch["generated"][1]
+    pool = state.generated[1]
     assert len(pool) > 0 and seen == [8 + extra_count(8, len(pool), len(cctx.data))]
 
 
@@ -53,14 +53,13 @@ def test_sd_alignment_adds_lambda_times_the_normalised_l2_to_its_targets(tmp_pat
     sd = method._sd
     rows = sd._rows(ctx.data.client(0).indices[:3])
     e = torch.as_tensor(sd.features[rows]).float()
-    cctx, x, y = client(ctx, method)
-    first = ClientContext(0, 1, ctx.data.client(0), {}, {}, scratch=cctx.scratch,
-                          batch_indices=ctx.data.client(0).indices[:3])
-    assert torch.allclose(sd.targets(first, torch.zeros(1)), e @ sd.map.T)  # P e(x)
+    cctx, state, x, y = client(ctx, method)
+    first = ClientContext(0, 1, ctx.data.client(0), {}, {}, batch_indices=ctx.data.client(0).indices[:3])
+    assert torch.allclose(sd.targets(first, torch.zeros(1), state.sd), e @ sd.map.T)  # P e(x)
     with torch.no_grad():
-        got = method.local_loss(ctx.model, x, y, cctx)
+        got = method.local_loss(ctx.model, x, y, cctx, state)
         z, logits = ctx.model.forward_features(x)
-        expected = F.cross_entropy(logits, y) + 2.0 * alignment_loss(z, sd.targets(cctx, z), True)
+        expected = F.cross_entropy(logits, y) + 2.0 * alignment_loss(z, sd.targets(cctx, z, state.sd), True)
     method._tap.detach()
     assert got.item() == pytest.approx(expected.item(), rel=1e-6)
     record = json.loads((tmp_path / "run" / "guidance" / "fedrcl.json").read_text())["sd_features"]

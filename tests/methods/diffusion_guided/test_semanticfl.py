@@ -147,10 +147,10 @@ def test_client_extraction_gives_the_server_numbers(tmp_path, tiny_sd, fmnist_ro
     ctx, server = method_for(config(tiny_sd, fmnist_root, cache), tmp_path / "server")
     _, client = method_for(config(tiny_sd, fmnist_root, cache, extraction_site="client"), tmp_path / "client")
     cctx = ClientContext(2, 1, ctx.data.client(2), server.server_payload(1, 2, ctx.initial_weights), {})
-    client.begin_local(ctx.model, cctx)
+    state = client.begin_local(ctx.model, cctx)
     idx = ctx.data.client(2).indices.numpy()
     cctx.batch_indices = torch.as_tensor(idx)
-    features = cctx.scratch["visual"](cctx)  # the client's rows, in its sample order
+    features = state.visual(cctx)  # the client's rows, in its sample order
     assert features.shape == (len(idx), 64)  # the client's own samples only
     torch.testing.assert_close(features, lookup(server._visual, server._rows(idx)), atol=1e-5, rtol=1e-4)
     summary, metrics, run_dir = run_tiny(tmp_path, config(tiny_sd, fmnist_root, cache, extraction_site="client"))

@@ -212,7 +212,7 @@ def test_upload_audit_on_a_real_client(digits_config, tmp_path):
     assert set(payload) == {"prototypes", "prototype_present", "condition_scale"}
     assert isinstance(payload["condition_scale"], float) and payload["condition_scale"] > 0
     data = ctx.data.client(0)
-    upload = method.client_upload(ctx.model, ClientContext(0, 1, data, payload, {}))
+    upload = method.client_upload(ctx.model, ClientContext(0, 1, data, payload, {}), None)
     n, d, classes = len(data), IMAGE_EMBED, ctx.num_classes
     assert set(upload) == set(UPLOAD_KEYS)
     for key, t in upload.items():
@@ -225,7 +225,7 @@ def test_upload_audit_on_a_real_client(digits_config, tmp_path):
     assert floats <= (classes * FAST["num_centroids"] + classes) * d
     # later rounds of the one-shot method exchange nothing
     assert method.server_payload(2, 0, ctx.initial_weights) == {}
-    assert method.client_upload(ctx.model, ClientContext(0, 2, data, {}, {})) == {}
+    assert method.client_upload(ctx.model, ClientContext(0, 2, data, {}, {}), None) == {}
 
 
 # ---- Eq. 6 --------------------------------------------------------------------------------------------

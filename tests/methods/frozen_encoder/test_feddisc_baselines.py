@@ -112,7 +112,9 @@ def test_semifl_runs_and_server_training_fits_the_labeled_set(config, tmp_path):
     from fedguide.methods import ClientContext
 
     payload = method.server_payload(1, 0, ctx.initial_weights)
-    up = method.client_upload(ctx.model, ClientContext(0, 1, ctx.data.client(0), payload, {}))
+    cctx = ClientContext(0, 1, ctx.data.client(0), payload, {})
+    _, trained = method.fit(ctx.model, cctx, ctx.train)
+    up = method.client_upload(ctx.model, cctx, trained)
     assert up["num_samples"] == 0.0 and torch.equal(up["head_weight"], payload["head_weight"])
     assert method.server_update(1, [up]) is method.head  # nobody active: the head stays
 

@@ -29,7 +29,7 @@ def test_labeled_clients_upload_groups_of_their_own_classes(tiny_unclip, feature
     method.setup()
     payload = method.server_payload(1, 0, ctx.initial_weights)
     data = ctx.data.client(0)
-    upload = method.client_upload(ctx.model, ClientContext(0, 1, data, payload, {}))
+    upload = method.client_upload(ctx.model, ClientContext(0, 1, data, payload, {}), None)
     counts = data.class_counts()
     assert torch.equal(upload["pseudo_label_counts"].long(), counts)  # the true class counts, not pseudo-labels
     held = {int(c) for c in torch.nonzero(counts >= method.params.min_cluster_size).flatten()}

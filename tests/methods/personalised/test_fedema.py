@@ -63,8 +63,9 @@ def test_first_participation_starts_global_and_the_second_blends_with_mu_tau(tmp
     from fedguide.methods import ClientContext
 
     cctx = ClientContext(0, 2, ctx.data.client(0), payload, dict(state))
-    start = method.client_start(cctx)
-    assert cctx.scratch["mu"] == pytest.approx(0.7)
+    start, _, mu = method._blend(cctx)  # what fit starts from
+    start = start[: ctx.layout.numel]
+    assert mu == pytest.approx(0.7)
     assert cctx.state["scaler"] > 0
     mask = method.blend_mask[: ctx.layout.numel]
     local = state["online"][: ctx.layout.numel]

@@ -109,8 +109,8 @@ def test_local_loss_uses_frozen_cosine_head():
     x, y = torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
     method = FedNH(FedNHParams(scale=10.0), run=None)
     ctx = ClientContext(0, 1, None, {}, {})
-    method.begin_local(model, ctx)
-    loss = method.local_loss(model, x, y, ctx)
+    state = method.begin_local(model, ctx)
+    loss = method.local_loss(model, x, y, ctx, state)
     cos = F.normalize(model.encoder(x), dim=1) @ F.normalize(model.head.weight, dim=1).T
     expected = F.cross_entropy(10.0 * cos, y)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
@@ -143,17 +143,17 @@ def test_learned_scale_takes_the_same_steps_as_a_joint_optimiser():
     model = small_model()
     method = FedNH(FedNHParams(learn_scale=True, scale=2.0), run=fake_run(**train))
     ctx = ClientContext(0, 1, None, {"scale": torch.tensor(2.0)}, {})
-    method.begin_local(model, ctx)
+    state = method.begin_local(model, ctx)
     opt = torch.optim.SGD(model.parameters(), **train)
     for _ in range(3):
-        loss = method.local_loss(model, x, y, ctx)
+        loss = method.local_loss(model, x, y, ctx, state)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        for own in method.local_optimizers(ctx):
+        for own in method.local_optimizers(ctx, state):
             own.step()
             own.zero_grad(set_to_none=True)
-    assert ctx.scratch["scale"].item() == pytest.approx(s.item(), rel=1e-6)
+    assert state.scale.item() == pytest.approx(s.item(), rel=1e-6)
     assert s.item() != 2.0
     assert torch.allclose(model.encoder[0].weight, ref.encoder[0].weight, atol=1e-6)
 

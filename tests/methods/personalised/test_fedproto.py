@@ -117,14 +117,13 @@ def test_local_loss_is_ce_plus_lambda_times_regulariser():
     _, _, protos, present = reg_case()
     method = FedProto(FedProtoParams(lam=0.5, reg_reduction="sum"), run=None)
     ctx = ClientContext(0, 2, None, {"protos": protos, "proto_present": present}, {})
-    method.begin_local(model, ctx)
+    state = method.begin_local(model, ctx)
     ce = F.cross_entropy(model(x), y).item()
-    assert method.local_loss(model, x, y, ctx).item() == pytest.approx(ce + 0.5 * 5 / 3, rel=1e-6)
+    assert method.local_loss(model, x, y, ctx, state).item() == pytest.approx(ce + 0.5 * 5 / 3, rel=1e-6)
     # Round 1: no global prototype yet, the loss is plain cross-entropy.
     none_yet = {"protos": torch.zeros(3, 2), "proto_present": torch.zeros(3, dtype=torch.bool)}
     first = ClientContext(0, 1, None, none_yet, {})
-    method.begin_local(model, first)
-    assert method.local_loss(model, x, y, first).item() == pytest.approx(ce, rel=1e-6)
+    assert method.local_loss(model, x, y, first, method.begin_local(model, first)).item() == pytest.approx(ce, rel=1e-6)
 
 
 def test_params_defaults_and_registry():

@@ -101,8 +101,8 @@ class FedDisco(Method):
             payload["send_label_counts"] = True
         return payload
 
-    def client_upload(self, model, ctx):
-        upload = super().client_upload(model, ctx)
+    def client_upload(self, model, ctx, state):
+        upload = super().client_upload(model, ctx, state)
         if ctx.payload.get("send_label_counts"):
             upload["label_counts"] = ctx.data.class_counts()
         return upload

@@ -28,6 +28,7 @@ the run's, so the composed loss is this one plus μ·L_reg.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -71,6 +72,15 @@ def aggregate_class_logits(previous: torch.Tensor, previous_known: torch.Tensor,
     return out.to(previous.dtype), known
 
 
+@dataclass
+class DistillRound:
+    """A client's round: its logits summed per label (for the upload) and whether the distillation term is on."""
+
+    logit_sums: torch.Tensor  # [C, C]
+    logit_counts: torch.Tensor  # [C]
+    distill: bool
+
+
 @METHODS.register("feddistill_plus", params=FedDistillPlusParams)
 class FedDistillPlus(Method):
     """FedDistill+: CE + λ·MSE(logits, global per-class logits of the label), logits and weights averaged."""
@@ -87,26 +97,25 @@ class FedDistillPlus(Method):
     def begin_local(self, model, ctx):
         c = self.run.num_classes
         device = ctx.payload["weights"].device
-        ctx.scratch["logit_sums"] = torch.zeros(c, c, device=device)
-        ctx.scratch["logit_counts"] = torch.zeros(c, device=device)
         # Asked once per round, not per step: whether any class has a global logit yet (round 1: none).
-        ctx.scratch["distill"] = bool(self.params.lam) and bool(ctx.payload["class_known"].any())
+        return DistillRound(torch.zeros(c, c, device=device), torch.zeros(c, device=device),
+                            bool(self.params.lam) and bool(ctx.payload["class_known"].any()))
 
-    def local_loss(self, model, x, y, ctx):
+    def local_loss(self, model, x, y, ctx, state: DistillRound):
         logits = model(x)
         with torch.no_grad():
-            ctx.scratch["logit_sums"].index_add_(0, y, logits.detach().float())
-            ctx.scratch["logit_counts"].index_add_(0, y, torch.ones_like(y, dtype=torch.float32))
+            state.logit_sums.index_add_(0, y, logits.detach().float())
+            state.logit_counts.index_add_(0, y, torch.ones_like(y, dtype=torch.float32))
         loss = F.cross_entropy(logits, y)
-        if ctx.scratch["distill"]:
+        if state.distill:
             loss = loss + self.params.lam * distill_term(logits, y, ctx.payload["class_logits"],
                                                          ctx.payload["class_known"])
         return loss
 
-    def client_upload(self, model, ctx):
-        sums, counts = ctx.scratch["logit_sums"], ctx.scratch["logit_counts"]
+    def client_upload(self, model, ctx, state: DistillRound):
+        sums, counts = state.logit_sums, state.logit_counts
         means = sums / counts.clamp(min=1).unsqueeze(1)
-        return {**super().client_upload(model, ctx), "class_logits": means, "class_counts": counts}
+        return {**super().client_upload(model, ctx, state), "class_logits": means, "class_counts": counts}
 
     def aggregate(self, round_, global_weights, uploads):
         p = self.params

@@ -29,9 +29,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.methods.base import METHODS
-from fedguide.methods.compose import REGULARIZERS, Composed, Regularizer
+from fedguide.methods.compose import REGULARIZERS, Regularizer
 from fedguide.methods.classic.fedavg import FedAvg
-from fedguide.registry import ConfigError, NoParams
+from fedguide.registry import ConfigError
 
 
 class DWParams(BaseModel):
@@ -125,11 +125,13 @@ class DW(Regularizer):
 
 
 @METHODS.register("feddw", params=DWParams)
-class FedDW(Composed):
+class FedDW(FedAvg):
     """FedDW: FedAvg + μ·‖Ω_global − softmax(ωωᵀ)‖²/C² (bias-free head; soft-label matrices aggregated)."""
 
     # Sec. V-A: two FC mapping layers, a 128-d vector into the bias-free classification layer.
     model_defaults = {**DW.model_defaults, "mapping": [128, 128]}
 
     def __init__(self, params, run):
-        super().__init__(FedAvg(NoParams(), run), [DW(params, run)])
+        super().__init__(params, run)
+        # The method is FedAvg trained with the regulariser, exactly as fedavg with regularizers: [dw].
+        self.regularizers = [DW(params, run)]

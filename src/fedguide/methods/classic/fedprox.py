@@ -8,6 +8,7 @@ added to the gradients after backward, which is exactly the gradient of the obje
 fraction of autograd's cost; the reported training loss is then the task loss alone.
 ``gradient: autograd`` puts the term into the loss instead (same updates, loss includes the term).
 """
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -39,20 +40,28 @@ def add_proximal_gradient_(params: list[torch.Tensor], anchor: list[torch.Tensor
         torch._foreach_add_([p.grad for p in params], torch._foreach_sub(params, anchor), alpha=mu)
 
 
+@dataclass
+class ProxRound:
+    """A client's round: its trainable parameters and their values at the start (the proximal anchor)."""
+
+    params: list[torch.Tensor]
+    anchor: list[torch.Tensor]
+
+
 @METHODS.register("fedprox", params=FedProxParams)
 class FedProx(Method):
     """FedProx: FedAvg plus (mu/2)·||w − w_global||² in the local objective."""
 
-    def begin_local(self, model, ctx):
-        ctx.scratch["params"] = [p for p in model.parameters() if p.requires_grad]
-        ctx.scratch["anchor"] = [p.detach().clone() for p in ctx.scratch["params"]]
+    def begin_local(self, model, ctx) -> ProxRound:
+        params = [p for p in model.parameters() if p.requires_grad]
+        return ProxRound(params, [p.detach().clone() for p in params])
 
-    def local_loss(self, model, x, y, ctx):
-        loss = super().local_loss(model, x, y, ctx)
+    def local_loss(self, model, x, y, ctx, state: ProxRound):
+        loss = super().local_loss(model, x, y, ctx, state)
         if self.params.mu == 0 or self.params.gradient == "direct":
             return loss
-        return loss + proximal_term(ctx.scratch["params"], ctx.scratch["anchor"], self.params.mu)
+        return loss + proximal_term(state.params, state.anchor, self.params.mu)
 
-    def after_backward(self, model, ctx):
+    def after_backward(self, model, ctx, state: ProxRound):
         if self.params.mu and self.params.gradient == "direct":
-            add_proximal_gradient_(ctx.scratch["params"], ctx.scratch["anchor"], self.params.mu)
+            add_proximal_gradient_(state.params, state.anchor, self.params.mu)

@@ -90,7 +90,7 @@ class FedUV(Method):
         super().__init__(params, run)
         self.gamma = params.gamma if params.gamma is not None else iid_target_std(run.num_classes)
 
-    def local_loss(self, model, x, y, ctx):
+    def local_loss(self, model, x, y, ctx, state):
         p = self.params
         z, logits = model.forward_features(x)
         loss = F.cross_entropy(logits, y)

@@ -17,7 +17,7 @@ class Local(Method):
         # Every client begins from the same seeded initialisation, which needs no communication.
         return ctx.state.get("weights", self.run.initial_weights)
 
-    def client_upload(self, model, ctx):
+    def client_upload(self, model, ctx, state):
         ctx.update_state(weights=self.run.layout.flatten(model))
         return {"num_samples": len(ctx.data)}
 

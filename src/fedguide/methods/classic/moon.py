@@ -28,6 +28,9 @@ Decisions (see the method's entry in the README):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,6 +63,14 @@ def _frozen_copy(run) -> SplitModel:
     return model
 
 
+@dataclass
+class MoonRound:
+    """A client's round after its first participation: the frozen global and previous local models."""
+
+    glob: SplitModel
+    prev: SplitModel
+
+
 @METHODS.register("moon", params=MoonParams)
 class Moon(Method):
     """MOON: CE + mu·contrast(z vs global model's z, previous local model's z), FedAvg aggregation."""
@@ -75,28 +86,26 @@ class Moon(Method):
         device = next(like.parameters()).device
         return self._glob.to(device), self._prev.to(device)
 
-    def begin_local(self, model, ctx):
+    def begin_local(self, model, ctx) -> Optional[MoonRound]:
         previous = ctx.state.get("prev_weights")
         if self.params.mu == 0 or previous is None:
-            ctx.scratch["moon"] = None  # first participation (or mu = 0): plain cross-entropy
-            return
+            return None  # first participation (or mu = 0): plain cross-entropy
         glob, prev = self._frozen_models(model)
         self.run.layout.load(glob, ctx.payload["weights"])
         self.run.layout.load(prev, previous)
-        ctx.scratch["moon"] = (glob, prev)
+        return MoonRound(glob, prev)
 
-    def local_loss(self, model, x, y, ctx):
-        frozen = ctx.scratch.get("moon")
-        if frozen is None:
-            return super().local_loss(model, x, y, ctx)
-        glob, prev = frozen
+    def local_loss(self, model, x, y, ctx, state: Optional[MoonRound]):
+        if state is None:
+            return super().local_loss(model, x, y, ctx, state)
+        glob, prev = state.glob, state.prev
         z, logits = model.forward_features(x)
         with torch.no_grad():
             z_glob, z_prev = glob.encoder(x), prev.encoder(x)
         return F.cross_entropy(logits, y) + self.params.mu * moon_contrastive_loss(z, z_glob, z_prev, self.params.tau)
 
-    def client_upload(self, model, ctx):
-        upload = super().client_upload(model, ctx)
+    def client_upload(self, model, ctx, state):
+        upload = super().client_upload(model, ctx, state)
         if self.params.mu > 0:
             ctx.update_state(prev_weights=upload["weights"])
         return upload

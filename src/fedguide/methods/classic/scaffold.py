@@ -41,6 +41,7 @@ Decisions:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
 import torch
@@ -119,6 +120,15 @@ def correction_term(params: list[torch.Tensor], corrections: list[torch.Tensor])
     return dots - dots.detach()
 
 
+@dataclass
+class ScaffoldRound:
+    """A client's round: option I's gradient at the server model, and the (parameters, c − c_i) pairs of the
+    correction term (None while c = c_i: plain local SGD)."""
+
+    gradient_at_x: Optional[torch.Tensor]
+    pairs: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
+
+
 @METHODS.register("scaffold", params=ScaffoldParams)
 class Scaffold(Method):
     """SCAFFOLD: local steps on g − c_i + c, control variates updated by option II."""
@@ -148,13 +158,11 @@ class Scaffold(Method):
             return train
         return train.model_copy(update={"momentum": self.params.local_momentum})
 
-    def begin_local(self, model, ctx):
-        if self.params.control == "option1":
-            ctx.scratch["gradient_at_x"] = self._full_gradient(model, ctx)
+    def begin_local(self, model, ctx) -> ScaffoldRound:
+        state = ScaffoldRound(self._full_gradient(model, ctx) if self.params.control == "option1" else None)
         diff = ctx.payload["control"] - ctx.state.get("control", self._zeros())
         if not torch.any(diff):
-            ctx.scratch["pairs"] = None  # c = c_i (e.g. both zero in round 1): plain local SGD
-            return
+            return state  # c = c_i (e.g. both zero in round 1): plain local SGD
         full = torch.zeros(self.run.layout.numel, dtype=diff.dtype, device=diff.device)
         full[self.mask] = diff
         named = dict(model.named_parameters())
@@ -165,7 +173,8 @@ class Scaffold(Method):
                 params.append(named[name])
                 corrections.append(full[offset: offset + size].view(shape))
             offset += size
-        ctx.scratch["pairs"] = (params, corrections)
+        state.pairs = (params, corrections)
+        return state
 
     def _full_gradient(self, model, ctx) -> torch.Tensor:
         """Option I: ∇f_i(x), the mean of the local objective's gradient over the client's data at the
@@ -175,7 +184,7 @@ class Scaffold(Method):
         total = [torch.zeros_like(p) for p in params]
         for start in range(0, len(data), bs):
             idx = data.indices[start: start + bs]
-            loss = super().local_loss(model, *ctx.batch(idx), ctx)
+            loss = super().local_loss(model, *ctx.batch(idx), ctx, None)
             grads = torch.autograd.grad(loss, params)
             torch._foreach_add_(total, grads, alpha=idx.numel() / len(data))
         named = dict(model.named_parameters())
@@ -183,12 +192,11 @@ class Scaffold(Method):
         parts = [by_name[n].reshape(-1) for n in self.run.layout.names if n in named]
         return torch.cat(parts) if parts else self._zeros()
 
-    def local_loss(self, model, x, y, ctx):
-        loss = super().local_loss(model, x, y, ctx)
-        pairs = ctx.scratch.get("pairs")
-        return loss if pairs is None else loss + correction_term(*pairs)
+    def local_loss(self, model, x, y, ctx, state: ScaffoldRound):
+        loss = super().local_loss(model, x, y, ctx, state)
+        return loss if state.pairs is None else loss + correction_term(*state.pairs)
 
-    def client_upload(self, model, ctx):
+    def client_upload(self, model, ctx, state: ScaffoldRound):
         train = self.local_train(self.run.train)
         x, y = ctx.payload["weights"], self.run.layout.flatten(model)
         c_local = ctx.state.get("control", self._zeros())
@@ -196,7 +204,7 @@ class Scaffold(Method):
         if self.params.momentum_correction and train.optimizer == "sgd":
             lr *= momentum_factor(ctx.steps, train.momentum)
         if self.params.control == "option1":
-            c_new = ctx.scratch["gradient_at_x"]
+            c_new = state.gradient_at_x
         else:
             c_new = control_update(c_local, ctx.payload["control"], x[self.mask], y[self.mask], ctx.steps, lr)
         ctx.update_state(control=c_new)

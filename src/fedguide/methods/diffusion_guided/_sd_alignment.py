@@ -16,12 +16,21 @@ store. Generated images (FedRCL ◇+†) have no cached feature: the term covers
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 ALL_BLOCKS = ("down.0", "down.1", "down.2", "down.3", "mid", "up.0", "up.1", "up.2", "up.3")
+
+
+@dataclass
+class SDRound:
+    """A client's round: its samples' features (``ClientTargets``, by batch) and the map, where the run computes."""
+
+    features: Any
+    map: torch.Tensor
 
 
 class SDFeatureTargets:
@@ -69,15 +78,14 @@ class SDFeatureTargets:
         return {"folder": str(store.path(key)), "seconds": round(seconds, 3), "shape": list(self.features.shape),
                 "layers": list(self.layers), "image_size": self.image_size}
 
-    def begin(self, ctx) -> None:
+    def begin(self, ctx) -> "SDRound":
         """The client's features and the map on the run's device, once per round."""
         from fedguide.methods.diffusion_guided._diffusion_features import ClientTargets
 
-        ctx.scratch["sd_features"] = ClientTargets(self.features, self._rows, ctx, len(self.run.data.splits.train_y),
-                                                   ctx.device)
-        ctx.scratch["sd_map"] = self.map.to(ctx.device)
+        return SDRound(ClientTargets(self.features, self._rows, ctx, len(self.run.data.splits.train_y), ctx.device),
+                       self.map.to(ctx.device))
 
-    def targets(self, ctx, like: torch.Tensor) -> torch.Tensor:
+    def targets(self, ctx, like: torch.Tensor, state: "SDRound") -> torch.Tensor:
         """P e(x) [B, z dim] of the batch's samples, in ``like``'s dtype (looked up on the device)."""
-        e = ctx.scratch["sd_features"](ctx).to(like.dtype)
-        return e @ ctx.scratch["sd_map"].to(like.dtype).T
+        e = state.features(ctx).to(like.dtype)
+        return e @ state.map.to(like.dtype).T

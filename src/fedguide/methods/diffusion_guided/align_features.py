@@ -25,7 +25,8 @@ Decisions
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,14 @@ def alignment_loss(z: torch.Tensor, target: torch.Tensor, normalize: bool = Fals
     if normalize:
         z, target = F.normalize(z, dim=1), F.normalize(target, dim=1)
     return (z - target).square().sum(dim=1).mean()
+
+
+@dataclass
+class AlignRound:
+    """A client's round: its samples' encoder embeddings (``ClientTargets``, by batch) and the map P."""
+
+    embeds: Any
+    map: torch.Tensor
 
 
 @METHODS.register("align_features", params=AlignFeaturesParams)
@@ -114,16 +123,17 @@ class AlignFeatures(Method):
                               "model, or use guidance.model=embedded")
         return model.image_encoder, model.model_id
 
-    def local_loss(self, model, x, y, ctx):
+    def local_loss(self, model, x, y, ctx, state: Optional[AlignRound]):
         z, logits = model.forward_features(x)
         loss = F.cross_entropy(logits, y)
         if self.params.lam > 0:
-            target = ctx.scratch["embeds"](ctx) @ ctx.scratch["map"].T
+            target = state.embeds(ctx) @ state.map.T
             loss = loss + self.params.lam * alignment_loss(z, target.to(z.dtype), self.params.normalize)
         return loss
 
-    def begin_local(self, model, ctx):
-        if self.params.lam > 0:  # the client's embeddings and the map go to the device once per round
-            ctx.scratch["embeds"] = ClientTargets(self._embeds, self._rows, ctx, len(self.run.data.splits.train_y),
-                                                  ctx.device)
-            ctx.scratch["map"] = self.map.to(ctx.device)
+    def begin_local(self, model, ctx) -> Optional[AlignRound]:
+        if not self.params.lam > 0:
+            return None
+        # The client's embeddings and the map go to the device once per round.
+        return AlignRound(ClientTargets(self._embeds, self._rows, ctx, len(self.run.data.splits.train_y), ctx.device),
+                          self.map.to(ctx.device))

@@ -14,6 +14,9 @@ Global accuracy: the averaged model on the global test set (FedAvg's).
 """
 from __future__ import annotations
 
+import torch
+
+
 from fedguide.methods.diffusion_guided._diffusion_features import GuidanceRecord
 from fedguide.methods.diffusion_guided._generated_data import GeneratedData, GeneratedDataParams, extra_count, mix
 from fedguide.methods.base import METHODS, Method
@@ -34,11 +37,11 @@ class FedDDA(Method):
         record.note("generated_data", self.generated.setup())
         record.write()
 
-    def begin_local(self, model, ctx):
-        pool_x, pool_y = self.generated.pool(ctx.client_id, ctx.payload["weights"].device)
-        ctx.scratch["generated"] = (pool_x, pool_y)
+    def begin_local(self, model, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        # The round's state: the generated images of the client's classes and their labels.
+        return self.generated.pool(ctx.client_id, ctx.payload["weights"].device)
 
-    def local_loss(self, model, x, y, ctx):
-        pool_x, pool_y = ctx.scratch["generated"]
+    def local_loss(self, model, x, y, ctx, state: tuple[torch.Tensor, torch.Tensor]):
+        pool_x, pool_y = state
         x, y = mix(x, y, pool_x, pool_y, extra_count(len(y), len(pool_y), len(ctx.data)))
-        return super().local_loss(model, x, y, ctx)
+        return super().local_loss(model, x, y, ctx, state)

@@ -66,7 +66,7 @@ Decisions (SPEC "FedDifRC"; each is an option, default first)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Optional, Union
 
 import numpy as np
 import torch
@@ -230,6 +230,18 @@ class _Extraction:
     rows: np.ndarray
     fit_idx: np.ndarray
     fit_desc: dict
+
+
+@dataclass
+class DifRCRound:
+    """A client's round: NDCR's and TDCL's targets (``ClientTargets`` by batch; a refreshed TDCL: a tensor indexed
+    by the batch's positions in ``client_rows``) and the seconds and UNet images of a condition refresh."""
+
+    ndcr: Any = None
+    tdcl: Any = None
+    client_rows: Any = None
+    condition_seconds: float = 0.0
+    condition_images: int = 0
 
 
 @METHODS.register("feddifrc", params=FedDifRCParams)
@@ -413,59 +425,60 @@ class FedDifRC(Method):
         model.train(was_training)
         return torch.cat(out)
 
-    def begin_local(self, model, ctx):
+    def begin_local(self, model, ctx) -> DifRCRound:
         p = self.params
-        ctx.scratch["condition"] = (0.0, 0)
+        state = DifRCRound()
         # The client's cached targets go to the device once per round; a step looks its batch up there.
         n = len(self.run.data.splits.train_y)
         if p.ndcr and p.lambda_ndcr > 0:
-            ctx.scratch["ndcr"] = ClientTargets(self._ndcr, self._rows, ctx, n, ctx.device)
+            state.ndcr = ClientTargets(self._ndcr, self._rows, ctx, n, ctx.device)
         if self.refresh == "never":
             if p.tdcl and p.lambda_tdcl > 0:
-                ctx.scratch["tdcl"] = ClientTargets(self._tdcl, self._rows, ctx, n, ctx.device)
-            return
-        ctx.scratch["client_rows"] = ClientPositions(ctx.data.indices, n, ctx.device)
+                state.tdcl = ClientTargets(self._tdcl, self._rows, ctx, n, ctx.device)
+            return state
+        state.client_rows = ClientPositions(ctx.data.indices, n, ctx.device)
         stored = ctx.state.get("tdcl_features")
         if (self.refresh == "every_k" and stored is not None
                 and ctx.round - int(ctx.state["tdcl_round"]) < self.params.refresh_every):
-            ctx.scratch["tdcl"] = stored
-            return
+            state.tdcl = stored
+            return state
         features, seconds = timed(lambda: self._refresh(model, ctx))
-        ctx.scratch["tdcl"] = features
-        ctx.scratch["condition"] = (seconds, len(features) * len(self.tdcl_prompts))
+        state.tdcl = features
+        state.condition_seconds, state.condition_images = seconds, len(features) * len(self.tdcl_prompts)
         if self.refresh == "every_k":
             ctx.update_state(tdcl_features=features, tdcl_round=ctx.round)
+        return state
 
     def _lift_like(self, like: torch.Tensor) -> Optional[torch.Tensor]:
         if self.lift is not None and (self.lift.device != like.device or self.lift.dtype != like.dtype):
             self.lift = self.lift.to(like.device, like.dtype)
         return self.lift
 
-    def local_loss(self, model, x, y, ctx):
+    def local_loss(self, model, x, y, ctx, state: DifRCRound):
         p = self.params
         z, logits = model.forward_features(x)
         loss = z.new_zeros(()) if p.self_supervised else F.cross_entropy(logits, y)
         use_tdcl, use_ndcr = p.tdcl and p.lambda_tdcl > 0, p.ndcr and p.lambda_ndcr > 0
         if use_tdcl:
             if self.refresh == "never":
-                targets = ctx.scratch["tdcl"](ctx)
+                targets = state.tdcl(ctx)
             else:
-                targets = ctx.scratch["tdcl"][ctx.scratch["client_rows"](ctx)]
+                targets = state.tdcl[state.client_rows(ctx)]
             positive = torch.zeros_like(y) if p.self_supervised else y
             loss = loss + p.lambda_tdcl * tdcl_loss(z, targets.to(z.device, z.dtype), positive, p.tau, p.spread,
                                                     self._lift_like(z))
         if use_ndcr:
-            target = ctx.scratch["ndcr"](ctx).to(z.dtype)
+            target = state.ndcr(ctx).to(z.dtype)
             lift = self._lift_like(z)
             # One target per sample: lifting it costs what projecting z would (unlike TDCL's B·P targets).
             loss = loss + p.lambda_ndcr * ndcr_loss(z, target if lift is None else target @ lift.T, p.ndcr_form)
         return loss
 
-    def client_upload(self, model, ctx):
-        upload = super().client_upload(model, ctx)
+    def client_upload(self, model, ctx, state: DifRCRound):
+        upload = super().client_upload(model, ctx, state)
         if self.refresh != "never":
-            seconds, images = ctx.scratch.get("condition", (0.0, 0))
-            upload.update(condition_seconds=float(seconds), condition_unet_images=int(images))
+            upload.update(condition_seconds=float(state.condition_seconds),
+                          condition_unet_images=int(state.condition_images))
         return upload
 
     # ---- server ------------------------------------------------------------------------------------

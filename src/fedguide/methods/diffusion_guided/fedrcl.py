@@ -65,7 +65,8 @@ Both need the guidance layer (``pip install 'fedguide[guidance]'``) and the ``gu
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,9 @@ from fedguide.methods.diffusion_guided._generated_data import GeneratedData, Gen
 from fedguide.methods.base import METHODS, Method
 from fedguide.models.taps import FeatureTap, encoder_stages
 from fedguide.registry import ConfigError
+
+if TYPE_CHECKING:
+    from fedguide.methods.diffusion_guided._sd_alignment import SDRound
 
 
 class FedRCLParams(BaseModel):
@@ -162,6 +166,14 @@ def select_levels(stages: list, levels: Optional[list[int]]) -> list:
     return [stages[i] for i in sorted({i % n for i in levels})]
 
 
+@dataclass
+class RCLRound:
+    """A client's round: ◇'s generated images and labels of its classes, †'s feature targets (None when off)."""
+
+    generated: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    sd: Optional[SDRound] = None
+
+
 @METHODS.register("fedrcl", params=FedRCLParams)
 class FedRCL(Method):
     """FedRCL: CE + supervised contrastive loss with a divergence penalty, on every encoder level."""
@@ -202,15 +214,17 @@ class FedRCL(Method):
         # attach() drops any hooks a previous client left (e.g. after an exception): one set at a time.
         stages = select_levels(encoder_stages(model.encoder), self.params.levels)
         self._tap.attach(model.encoder, stages, preactivation=self.params.preactivation)
+        state = RCLRound()
         if self._generated is not None:
-            ctx.scratch["generated"] = self._generated.pool(ctx.client_id, ctx.payload["weights"].device)
+            state.generated = self._generated.pool(ctx.client_id, ctx.payload["weights"].device)
         if self._sd is not None:
-            self._sd.begin(ctx)
+            state.sd = self._sd.begin(ctx)
+        return state
 
-    def local_loss(self, model, x, y, ctx):
+    def local_loss(self, model, x, y, ctx, state: RCLRound):
         p, real = self.params, len(y)
         if self._generated is not None:  # ◇: generated images of the client's classes join the batch
-            pool_x, pool_y = ctx.scratch["generated"]
+            pool_x, pool_y = state.generated
             x, y = mix(x, y, pool_x, pool_y, extra_count(real, len(pool_y), len(ctx.data)))
         z, logits = model.forward_features(x)
         levels = self._tap.collect()
@@ -221,10 +235,10 @@ class FedRCL(Method):
         if self._sd is not None:  # †: the real samples' z towards the guidance model's features of their images
             from fedguide.methods.diffusion_guided.align_features import alignment_loss
 
-            loss = loss + p.sd_align * alignment_loss(z[:real], self._sd.targets(ctx, z),
+            loss = loss + p.sd_align * alignment_loss(z[:real], self._sd.targets(ctx, z, state.sd),
                                                       normalize=True)
         return loss
 
-    def client_upload(self, model, ctx):
+    def client_upload(self, model, ctx, state):
         self._tap.detach()  # the live model goes on to other clients and to evaluation without hooks
-        return super().client_upload(model, ctx)
+        return super().client_upload(model, ctx, state)

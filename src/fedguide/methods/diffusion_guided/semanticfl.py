@@ -51,7 +51,8 @@ Decisions (SPEC "SemanticFL"; each an option, default first)
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Optional, Union
 
 import numpy as np
 import torch
@@ -125,6 +126,20 @@ class _Holder(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().clone())
+
+
+@dataclass
+class SemanticRound:
+    """A client's round, what its settings use of it: the text features and the projection (learned: its holder
+    and optimiser; fixed: the tensor) on the device, the visual targets (``ClientTargets``), and the seconds of
+    a client-side extraction."""
+
+    text: Optional[torch.Tensor] = None
+    fixed_proj: Optional[torch.Tensor] = None
+    proj: Optional[torch.nn.Module] = None
+    proj_opt: Optional[torch.optim.Optimizer] = None
+    visual: Any = None
+    extract_seconds: float = 0.0
 
 
 @METHODS.register("semanticfl", params=SemanticFLParams)
@@ -244,52 +259,53 @@ class SemanticFL(Method):
             super().load_server_state(state)
 
     # ---- client ------------------------------------------------------------------------------------
-    def begin_local(self, model, ctx):
+    def begin_local(self, model, ctx) -> SemanticRound:
         p = self.params
+        state = SemanticRound()
         # The text features (and a fixed projection, kept in float32) go to the device once per round, not per step.
         if p.con and p.lambda_con > 0:
-            ctx.scratch["text"] = self.text.to(ctx.device)
+            state.text = self.text.to(ctx.device)
             if not self.learned:
-                ctx.scratch["fixed_proj"] = self.proj.to(ctx.device)
+                state.fixed_proj = self.proj.to(ctx.device)
         if self.learned:
 
             holder = _Holder(ctx.payload["text_proj"])
-            ctx.scratch["proj"] = (holder, make_optimizer(holder, self.local_train(self.run.train)))
+            state.proj, state.proj_opt = holder, make_optimizer(holder, self.local_train(self.run.train))
         if p.kd and p.extraction_site == "client":
             rows = np.sort(ctx.data.indices.numpy())
-            features, seconds = timed(lambda: self._extract(rows, False))
-            ctx.scratch["extract_seconds"] = seconds
+            features, state.extract_seconds = timed(lambda: self._extract(rows, False))
         elif p.kd:
             rows, features = None, self._visual
         if p.kd and p.lambda_kd > 0:  # the client's visual features go to the device once per round
             rows_of = RowLookup(rows) if rows is not None else self._rows
-            ctx.scratch["visual"] = ClientTargets(features, rows_of, ctx, len(self.run.data.splits.train_y), ctx.device)
+            state.visual = ClientTargets(features, rows_of, ctx, len(self.run.data.splits.train_y), ctx.device)
+        return state
 
-    def _projection(self, ctx) -> torch.Tensor:
-        return ctx.scratch["proj"][0].weight if self.learned else ctx.scratch["fixed_proj"]
+    def _projection(self, state: SemanticRound) -> torch.Tensor:
+        return state.proj.weight if self.learned else state.fixed_proj
 
-    def local_loss(self, model, x, y, ctx):
+    def local_loss(self, model, x, y, ctx, state: SemanticRound):
         p = self.params
         z, logits = model.forward_features(x)
         loss = F.cross_entropy(logits, y)
         f = F.normalize(z, dim=1)
         if p.kd and p.lambda_kd > 0:
-            visual = ctx.scratch["visual"](ctx).to(z.dtype)
+            visual = state.visual(ctx).to(z.dtype)
             loss = loss + p.lambda_kd * kd_loss(visual, f, p.kd_form, p.kd_tau)
         if p.con and p.lambda_con > 0:
-            text = ctx.scratch["text"].to(z.dtype) @ self._projection(ctx).to(z.dtype).T
+            text = state.text.to(z.dtype) @ self._projection(state).to(z.dtype).T
             loss = loss + p.lambda_con * info_nce(f, text, y, p.tau)
         return loss
 
-    def local_optimizers(self, ctx):
+    def local_optimizers(self, ctx, state: SemanticRound):
         # The learned projection steps with the model, through the loop (fp16: unscaled and skipped on overflow).
         # The fixed projection is a tensor kept in float32; autocast casts a copy of it per use.
-        return [ctx.scratch["proj"][1]] if self.learned else []
+        return [state.proj_opt] if self.learned else []
 
-    def client_upload(self, model, ctx):
-        upload = super().client_upload(model, ctx)
+    def client_upload(self, model, ctx, state: SemanticRound):
+        upload = super().client_upload(model, ctx, state)
         if self.learned:
-            upload["text_proj"] = ctx.scratch["proj"][0].weight.detach().clone()
+            upload["text_proj"] = state.proj.weight.detach().clone()
         if self.params.kd and self.params.extraction_site == "client":
-            upload["extract_seconds"] = float(ctx.scratch.get("extract_seconds", 0.0))
+            upload["extract_seconds"] = float(state.extract_seconds)
         return upload

@@ -276,9 +276,9 @@ class CentroidOneShot(Method):
         return self.run.initial_weights  # the engine's model is not used by this method
 
     def fit(self, model, ctx, train):
-        return None  # inference only: the client's work is its upload (pseudo-labels, centroids, noise)
+        return None, None  # inference only: the client's work is its upload (pseudo-labels, centroids, noise)
 
-    def client_upload(self, model, ctx):
+    def client_upload(self, model, ctx, state):
         if "prototypes" not in ctx.payload:
             return {}
         feats = self.features.train(ctx.data.indices.numpy())

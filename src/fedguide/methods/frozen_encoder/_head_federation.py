@@ -86,15 +86,9 @@ class HeadFederation(Method):
     def fit(self, model, ctx, train):
         # The client trains the received head on its frozen-encoder features; the run's live model takes no
         # step (its loss stays out of the round's ``loss``; the head's is ``client_train_loss``).
-        self.trained_head(ctx)
-        return None
-
-    def trained_head(self, ctx: ClientContext) -> tuple[Head, float, float]:
-        """This round's (trained head, mean loss, aggregation weight), trained once per round."""
-        if "head" not in ctx.scratch:
-            head = {"weight": ctx.payload["head_weight"], "bias": ctx.payload["head_bias"]}
-            ctx.scratch["head"] = self.client_train(head, ctx)
-        return ctx.scratch["head"]
+        # The round's state is the trained head with its loss and aggregation weight, for the upload.
+        head = {"weight": ctx.payload["head_weight"], "bias": ctx.payload["head_bias"]}
+        return None, self.client_train(head, ctx)
 
     def client_features(self, ctx: ClientContext) -> torch.Tensor:
         return self.features.train(ctx.data.indices.numpy())
@@ -106,8 +100,8 @@ class HeadFederation(Method):
         """(trained head, mean loss, aggregation weight)."""
         raise NotImplementedError
 
-    def client_upload(self, model, ctx):
-        trained, loss, weight = self.trained_head(ctx)
+    def client_upload(self, model, ctx, state: tuple[Head, float, float]):
+        trained, loss, weight = state
         return {"head_weight": trained["weight"], "head_bias": trained["bias"], "num_samples": weight,
                 "train_loss": loss}
 

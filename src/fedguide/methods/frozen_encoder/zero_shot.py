@@ -49,9 +49,9 @@ class ZeroShot(Method):
         return self.run.initial_weights
 
     def fit(self, model, ctx, train):
-        return None  # nothing to train: the server classifies by text-image similarity
+        return None, None  # nothing to train: the server classifies by text-image similarity
 
-    def client_upload(self, model, ctx):
+    def client_upload(self, model, ctx, state):
         return {}
 
     def aggregate(self, round_, global_weights, uploads):

@@ -196,23 +196,21 @@ class OneShotMethod(Method):
 
     def fit(self, model, ctx, train):
         # Each client trains its own (possibly other) architecture with the local loop; the run's live
-        # model takes no step.
+        # model takes no step. The round's state is the client's own trained model (None: it trains none).
         if ctx.round != 1 or not self.clients_train:
-            return None
+            return None, None
         own = self.build_client_model(ctx.client_id)
         train = train.model_copy(update={"epochs": self.params.local_epochs, "local_steps": None})
         loss, _ = train_local(own, Method(NoParams(), self.run), ctx, train, ctx.generator)
-        ctx.scratch["one_shot_model"] = own
-        return loss
+        return loss, own
 
-    def client_upload(self, model, ctx):
+    def client_upload(self, model, ctx, state: Optional[SplitModel]):
         upload: dict[str, Any] = {"num_samples": len(ctx.data)}
         if ctx.round != 1:
             return upload
         upload["classes"] = supported_mask(ctx.data.class_counts(), self.params.min_class_samples)
-        own = ctx.scratch.get("one_shot_model")
-        if own is not None:
-            upload["weights"] = WeightLayout.of(own).flatten(own)
+        if state is not None:
+            upload["weights"] = WeightLayout.of(state).flatten(state)
         return upload
 
     # ---- server side -------------------------------------------------------------------------------

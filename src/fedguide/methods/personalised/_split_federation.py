@@ -37,7 +37,7 @@ class SplitFederation(Method):
     def client_start(self, ctx):
         return torch.cat([ctx.payload["shared"], self.own_part(ctx.state)])
 
-    def client_upload(self, model, ctx):
+    def client_upload(self, model, ctx, state):
         flat, start = self.run.layout.flatten(model), self.personal_start()
         ctx.update_state(personal=flat[start:])
         return {"shared": flat[:start], "num_samples": len(ctx.data)}

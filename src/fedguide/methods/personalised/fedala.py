@@ -157,8 +157,8 @@ class FedALA(Method):
         ctx.update_state(ala_weights=packed)
         return mixed
 
-    def client_upload(self, model, ctx):
-        upload = super().client_upload(model, ctx)
+    def client_upload(self, model, ctx, state):
+        upload = super().client_upload(model, ctx, state)
         ctx.update_state(weights=upload["weights"])
         return upload
 

@@ -61,11 +61,11 @@ class FedBABU(Method):
     def client_start(self, ctx):
         return torch.cat([ctx.payload["body"], self.run.initial_weights[self.body_end():]])
 
-    def after_backward(self, model, ctx):
+    def after_backward(self, model, ctx, state):
         for p in model.head.parameters():
             p.grad = None  # an optimiser skips a parameter without a gradient entirely
 
-    def client_upload(self, model, ctx):
+    def client_upload(self, model, ctx, state):
         return {"body": self.run.layout.flatten(model)[: self.body_end()], "num_samples": len(ctx.data)}
 
     def aggregate(self, round_, global_weights, uploads):

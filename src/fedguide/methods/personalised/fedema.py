@@ -42,6 +42,7 @@ Sources and decisions:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -124,6 +125,17 @@ def divergence_aware_blend(local: torch.Tensor, global_: torch.Tensor, blend: to
     return out, mu, scaler
 
 
+@dataclass
+class EMARound:
+    """A client's round: the target networks, the (target, online) parameters the EMA moves, μ of the blend,
+    and whether the online networks took a step the target has not followed yet."""
+
+    target_net: Online
+    pairs: tuple[list[torch.Tensor], list[torch.Tensor]]
+    mu: float
+    stepped: bool = False
+
+
 @METHODS.register("fedema", params=FedEMAParams)
 class FedEMA(Method):
     """FedEMA: federated BYOL, returning clients blend in the global model by a divergence-aware EMA; linear probe."""
@@ -174,7 +186,13 @@ class FedEMA(Method):
 
     # ---- client ------------------------------------------------------------------------------------
     def client_start(self, ctx):
-        p, n = self.params, self.run.layout.numel
+        # The start blends the client's previous networks into the global ones, heads and target included: fit
+        # does it, as the heads and the target are the round's state, not the model's.
+        return ctx.payload["weights"]
+
+    def _blend(self, ctx) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(the start of the model and the heads, the target networks, μ) of this client's round."""
+        p = self.params
         received = torch.cat([ctx.payload["weights"], ctx.payload["heads"]])
         previous = ctx.state.get("online")
         if previous is None:  # first participation: the global networks, the global online encoder as target
@@ -186,10 +204,9 @@ class FedEMA(Method):
                                                        self.measure_mask.to(received.device),
                                                        ctx.state.get("scaler", p.scaler), p.tau)
             target = ctx.state["target"]
-        ctx.scratch.update(heads=start[n:], target=target, mu=mu)
         if scaler is not None and p.scaler is None and "scaler" not in ctx.state:
             ctx.update_state(scaler=scaler)
-        return start[:n]
+        return start, target, mu
 
     def _target(self, device) -> tuple[nn.Module, Heads]:
         if self._target_model is None:
@@ -201,38 +218,39 @@ class FedEMA(Method):
 
     def fit(self, model, ctx, train):
         device = next(model.parameters()).device
-        self.heads_layout.load(self.heads, ctx.scratch["heads"])
+        start, vector, mu = self._blend(ctx)
+        n = self.run.layout.numel
+        self.run.layout.load(model, start[:n])
+        self.heads_layout.load(self.heads, start[n:])
         self.heads.to(device)
         target, target_heads = self._target(device)
-        n = self.run.layout.numel
-        vector = ctx.scratch["target"].to(device)
+        vector = vector.to(device)
         self.run.layout.load(target, vector[:n])
         self.heads_layout.load(target_heads, vector[n:])
         online = Online(model.encoder, self.heads)
-        ctx.scratch["pairs"] = ([p for p in target.encoder.parameters()] + list(target_heads.projector.parameters()),
-                                [p for p in model.encoder.parameters()] + list(self.heads.projector.parameters()))
-        ctx.scratch["target_net"] = Online(target.encoder, target_heads)
-        ctx.scratch["stepped"] = False
-        loss, ctx.steps = train_local(online, self, ctx, self.local_train(train), ctx.generator)
-        return loss if ctx.steps else None
+        state = EMARound(Online(target.encoder, target_heads),
+                         ([p for p in target.encoder.parameters()] + list(target_heads.projector.parameters()),
+                          [p for p in model.encoder.parameters()] + list(self.heads.projector.parameters())), mu)
+        loss, ctx.steps = train_local(online, self, ctx, self.local_train(train), ctx.generator, state)
+        return (loss if ctx.steps else None), state
 
-    def local_loss(self, model, x, y, ctx):
-        target = ctx.scratch["target_net"]
-        if ctx.scratch["stepped"]:  # the previous step's update of the online network reaches the target
-            ema_update_(*ctx.scratch["pairs"], self.params.target_decay)
-        ctx.scratch["stepped"] = True
+    def local_loss(self, model, x, y, ctx, state: EMARound):
+        target = state.target_net
+        if state.stepped:  # the previous step's update of the online network reaches the target
+            ema_update_(*state.pairs, self.params.target_decay)
+        state.stepped = True
         v1, v2 = view(x, self.params.flip), view(x, self.params.flip)
         target.train()
         with torch.no_grad():
             t1, t2 = target.project(v1), target.project(v2)
         return byol_loss(model(v1), model(v2), t1, t2)
 
-    def client_upload(self, model, ctx):
+    def client_upload(self, model, ctx, state: EMARound):
         if ctx.steps:  # the last step's update reaches the target too
-            ema_update_(*ctx.scratch["pairs"], self.params.target_decay)
+            ema_update_(*state.pairs, self.params.target_decay)
         weights = self.run.layout.flatten(model)
         heads = self.heads_layout.flatten(self.heads)
-        target_net = ctx.scratch["target_net"]
+        target_net = state.target_net
         target = torch.cat([self.run.layout.flatten(self._target_model), self.heads_layout.flatten(target_net.heads)])
         ctx.update_state(online=torch.cat([weights, heads]), target=target)
-        return {"weights": weights, "heads": heads, "num_samples": len(ctx.data), "ema_mu": ctx.scratch["mu"]}
+        return {"weights": weights, "heads": heads, "num_samples": len(ctx.data), "ema_mu": state.mu}

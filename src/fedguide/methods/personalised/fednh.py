@@ -39,7 +39,8 @@ Decisions and deviations:
 """
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +122,16 @@ def aggregate_class_means(means: Sequence[torch.Tensor], counts: Sequence[torch.
     return F.normalize(agg, dim=1) if normalize else agg
 
 
+@dataclass
+class NHRound:
+    """A client's round: the normalised prototypes it trains against and, with ``learn_scale``, the scale it
+    learns and that scale's optimiser."""
+
+    protos: torch.Tensor
+    scale: Optional[nn.Parameter] = None
+    scale_opt: Optional[torch.optim.Optimizer] = None
+
+
 @METHODS.register("fednh", params=FedNHParams)
 class FedNH(Method):
     """FedNH: frozen hyperspherical prototype head (cosine logits), prototypes smoothed towards client class means."""
@@ -152,34 +163,35 @@ class FedNH(Method):
             payload["scale"] = self.scale
         return payload
 
-    def begin_local(self, model, ctx):
+    def begin_local(self, model, ctx) -> NHRound:
         # Detached copy: the loss never touches the head's parameters, so they get no gradient.
-        ctx.scratch["protos"] = F.normalize(model.head.weight.detach().clone(), dim=1)
+        state = NHRound(F.normalize(model.head.weight.detach().clone(), dim=1))
         if self.params.learn_scale:
 
             holder = nn.Module()
             holder.scale = nn.Parameter(ctx.payload["scale"].detach().clone().reshape(()))
-            ctx.scratch["scale"] = holder.scale
-            ctx.scratch["scale_opt"] = make_optimizer(holder, self.run.train)
+            state.scale = holder.scale
+            state.scale_opt = make_optimizer(holder, self.run.train)
+        return state
 
-    def local_optimizers(self, ctx):
+    def local_optimizers(self, ctx, state: NHRound):
         # the learned scale steps with the model, through the loop (fp16: unscaled and skipped on overflow)
-        return [ctx.scratch["scale_opt"]] if self.params.learn_scale else []
+        return [state.scale_opt] if self.params.learn_scale else []
 
-    def local_loss(self, model, x, y, ctx):
+    def local_loss(self, model, x, y, ctx, state: NHRound):
         if self.params.learn_scale:
-            scale = ctx.scratch["scale"]
+            scale = state.scale
         else:
             scale = self.params.scale
-        return F.cross_entropy(cosine_logits(model.encoder(x), ctx.scratch["protos"], scale), y)
+        return F.cross_entropy(cosine_logits(model.encoder(x), state.protos, scale), y)
 
-    def client_upload(self, model, ctx):
+    def client_upload(self, model, ctx, state: NHRound):
         means, counts = class_feature_means(model, ctx.data, self.run.train.eval_batch_size, normalize=True,
                                             fetch=ctx.batch)
         upload = {"weights": self.run.layout.flatten(model), "num_samples": len(ctx.data),
                   "class_means": means, "class_counts": counts}
         if self.params.learn_scale:
-            upload["scale"] = ctx.scratch["scale"].detach().clone()
+            upload["scale"] = state.scale.detach().clone()
         return upload
 
     def aggregate(self, round_, global_weights, uploads):

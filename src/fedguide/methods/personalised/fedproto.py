@@ -147,18 +147,19 @@ class FedProto(Method):
         # Every client begins from the same seeded initialisation, which needs no communication.
         return ctx.state.get("weights", self.run.initial_weights)
 
-    def begin_local(self, model, ctx):
-        ctx.scratch["regularise"] = self.params.lam > 0 and bool(ctx.payload["proto_present"].any())
+    def begin_local(self, model, ctx) -> bool:
+        # The round's state: whether the prototype term is on (asked once per round, not per step).
+        return self.params.lam > 0 and bool(ctx.payload["proto_present"].any())
 
-    def local_loss(self, model, x, y, ctx):
+    def local_loss(self, model, x, y, ctx, state: bool):
         z, logits = model.forward_features(x)
         loss = F.cross_entropy(logits, y)
-        if not ctx.scratch.get("regularise", False):
+        if not state:
             return loss
         reg = prototype_loss(z, y, ctx.payload["protos"], ctx.payload["proto_present"], self.params.reg_reduction)
         return loss + self.params.lam * reg
 
-    def client_upload(self, model, ctx):
+    def client_upload(self, model, ctx, state):
         means, counts = class_feature_means(model, ctx.data, self.run.train.eval_batch_size, ctx.batch)
         upload = {"protos": means, "class_counts": counts, "num_samples": len(ctx.data)}
         weights = self.run.layout.flatten(model)

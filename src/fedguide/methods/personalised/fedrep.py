@@ -64,4 +64,4 @@ class FedRep(SplitFederation):
             body_loss, body_steps = train_local(model, self, ctx, self.local_train(body), ctx.generator)
         ctx.steps = head_steps + body_steps
         phases = [(loss, steps) for loss, steps in ((head_loss, head_steps), (body_loss, body_steps)) if steps]
-        return sum(loss * steps for loss, steps in phases) / ctx.steps if phases else None
+        return (sum(loss * steps for loss, steps in phases) / ctx.steps if phases else None), None

@@ -94,7 +94,7 @@ class PerFedAvg(Method):
 
         def loss(batch):
             ctx.batch_indices = batch
-            return self.local_loss(model, *batch_at(ctx, batch), ctx)
+            return self.local_loss(model, *batch_at(ctx, batch), ctx, None)
 
         total = torch.zeros((), device=ctx.device)  # summed on the device: no host read per step
         for _ in range(steps):
@@ -109,7 +109,7 @@ class PerFedAvg(Method):
             raise FloatingPointError(f"client {ctx.client_id} diverged in round {ctx.round} (loss is {float(total)}); "
                                      "lower train.lr, method.beta or method.alpha")
         ctx.steps = steps
-        return float(total) / steps
+        return float(total) / steps, None
 
     def personal_model(self, round_, client_id, global_weights):
         run = self.run
@@ -124,7 +124,7 @@ class PerFedAvg(Method):
         with torch.random.fork_rng(devices=[]):
             for _ in range(self.params.personal_steps):
                 x, y = batch_at(ctx, next(stream))
-                grads = torch.autograd.grad(self.local_loss(model, x, y, ctx), params)
+                grads = torch.autograd.grad(self.local_loss(model, x, y, ctx, None), params)
                 with torch.no_grad():
                     for q, g in zip(params, grads):
                         q.sub_(self.params.alpha * g)
