@@ -174,3 +174,22 @@ def test_feddw_run_learns_uploads_sl_and_keeps_it_as_server_state(tmp_path):
     assert sl.shape == (10, 10)
     torch.testing.assert_close(sl.sum(1), torch.ones(10))  # every class seen: probability rows
     assert not torch.equal(sl, torch.eye(10))
+
+
+def test_a_run_with_a_regulariser_resumes_to_the_uninterrupted_result(tmp_path):
+    # MOON's previous models in the client store and DW's soft labels in the checkpoint (method.dw.sl) both
+    # come back on resume.
+    from fedguide.fl.checkpoint import load_checkpoint
+
+    def run(name, rounds, resume=False):
+        cfg = tiny({"name": "moon"}, regularizers=[{"name": "dw", "mu": 0.5}],
+                   train={"rounds": rounds, "epochs": 1, "batch_size": 32, "lr": 0.05})
+        return Experiment(prepare(cfg), tmp_path / name, log=lambda s: None).run(resume=resume)
+
+    full = run("full", 3)
+    run("cut", 2)
+    resumed = run("cut", 3, resume=True)
+    assert resumed["accuracy_curve"] == full["accuracy_curve"]
+    a, b = (load_checkpoint(tmp_path / name / "checkpoints") for name in ("full", "cut"))
+    assert set(a.method_state) == {"dw.sl"}
+    assert torch.equal(a.method_state["dw.sl"], b.method_state["dw.sl"])
