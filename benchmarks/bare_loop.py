@@ -28,7 +28,7 @@ class BareLoop:
     def __init__(self, prepared, seed: int = 0):
         cfg = prepared.config
         torch.manual_seed(seed)
-        self.model = build_model(cfg.model.name, prepared.params["model"],
+        self.model = build_model(cfg.model.name, prepared.resolved.model.params,
                                  ModelSpec(prepared.data.splits.input_shape, prepared.data.num_classes))
         self.opt = make_optimizer(self.model, cfg.train)
         self.x, self.y = prepared.data.splits.train_x, prepared.data.splits.train_y

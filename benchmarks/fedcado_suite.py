@@ -101,7 +101,7 @@ def per_client_accuracy(run_dir: Path, classes: list[list[int]]) -> list[float]:
 
     prepared = prepare(load_run_config(run_dir))
     splits = prepared.data.splits
-    model = build_model(prepared.config.model.name, prepared.params["model"], splits.model_spec())
+    model = build_model(prepared.config.model.name, prepared.resolved.model.params, splits.model_spec())
     model.load_state_dict(load_file(run_dir / "model.safetensors"))
     model.eval()
     with torch.no_grad():

@@ -72,7 +72,7 @@ def _workload(config: str, overrides_json: str):
 
         _WORKLOAD.clear()  # a new workload replaces the old one: one copy of the data per process
         prepared = prepare(load_config(Path(config), json.loads(overrides_json)))
-        model = build_model(prepared.config.model.name, prepared.params["model"], prepared.data.splits.model_spec())
+        model = build_model(prepared.config.model.name, prepared.resolved.model.params, prepared.data.splits.model_spec())
         _WORKLOAD[key] = (prepared, model)
         _BUILDS["count"] += 1
     return _WORKLOAD[key]
@@ -239,7 +239,7 @@ def _simulate(spec: dict[str, Any], stamps: dict[str, float]) -> dict[str, Any]:
     cfg = prepared.config
     _check_workload(cfg)
     torch.manual_seed(derive_seed(cfg.seed, "model"))  # fedguide's initial global model
-    model = build_model(cfg.model.name, prepared.params["model"], prepared.data.splits.model_spec())
+    model = build_model(cfg.model.name, prepared.resolved.model.params, prepared.data.splits.model_spec())
     initial = ArrayRecord.from_torch_state_dict(model.state_dict())
     num, per_round = cfg.clients.num, min(cfg.clients.per_round, cfg.clients.num)
     strategy = _timed_fedavg(per_round, fraction_train=per_round / num, min_train_nodes=per_round,

@@ -148,7 +148,7 @@ class Floor:
         cfg = prepared.config
         splits = prepared.data.splits
         torch.manual_seed(seed)
-        self.model = build_model(cfg.model.name, prepared.params["model"], splits.model_spec()).to(device)
+        self.model = build_model(cfg.model.name, prepared.resolved.model.params, splits.model_spec()).to(device)
         self.format = torch.channels_last if channels_last and splits.train_x.dim() == 4 else torch.contiguous_format
         self.model = self.model.to(memory_format=self.format)
         self.opt = make_optimizer(self.model, cfg.train)

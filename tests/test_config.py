@@ -8,6 +8,8 @@ from fedguide.config import Config, apply_overrides, build_config, load_config, 
 from fedguide.fl.setup import resolve
 from fedguide.registry import ConfigError, Registry
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def write_yaml(path: Path, obj) -> Path:
     path.write_text(yaml.safe_dump(obj))
@@ -25,7 +27,7 @@ def test_defaults_load():
     assert (cfg.clients.num, cfg.clients.per_round) == (10, 10)
     assert cfg.train.rounds == 20 and cfg.train.lr == 0.01 and cfg.train.optimizer == "sgd"
     assert cfg.runtime.name == "local"
-    runtime = resolve(cfg)[0].runtime  # a runtime's keys are its Params', written out when resolved
+    runtime = resolve(cfg).config.runtime  # a runtime's keys are its Params', written out when resolved
     assert runtime.workers == 1 and runtime.threads_per_worker is None
     assert cfg.seed == 0 and cfg.meta == {}
 
@@ -139,7 +141,7 @@ def test_switching_method_drops_old_params():
     out = apply_overrides(raw, ["method.name=fedavg"])
     assert out["method"] == {"name": "fedavg"}
     # ... so the result resolves instead of failing on fedavg's unknown 'mu'.
-    cfg, _ = resolve(build_config(out))
+    cfg = resolve(build_config(out)).config
     assert cfg.method.name == "fedavg" and cfg.method.params_dict() == {}
 
 
@@ -158,7 +160,7 @@ def test_a_parameter_given_before_the_name_lands_in_the_new_entry():
     out = apply_overrides(raw, ["method.mu=0.5", "partition.alpha=0.3", "method.name=fedprox", "partition.name=dirichlet"])
     assert out["method"] == {"name": "fedprox", "mu": 0.5}
     assert out["partition"] == {"name": "dirichlet", "alpha": 0.3}  # the file's k belonged to shards
-    cfg, _ = resolve(build_config(out))
+    cfg = resolve(build_config(out)).config
     assert cfg.method.params_dict()["mu"] == 0.5 and cfg.partition.params_dict()["alpha"] == 0.3
 
 
@@ -292,31 +294,113 @@ def test_wrong_param_type_for_partition():
 
 
 def test_resolve_writes_defaults():
-    cfg, parsed = resolve(build_config({"method": {"name": "fedprox"}, "data": {"name": "digits", "fraction": 0.5}}))
+    resolved = resolve(build_config({"method": {"name": "fedprox"}, "data": {"name": "digits", "fraction": 0.5}}))
+    cfg = resolved.config
     assert cfg.method.params_dict() == {"mu": 0.001, "gradient": "direct"}
-    assert parsed["method"].mu == 0.001
+    assert resolved.method.params.mu == 0.001
     part = cfg.partition.params_dict()
     assert part["alpha"] == 0.5 and "min_size" in part and "max_tries" in part
     assert cfg.data.fraction == 0.5, "resolve keeps the section's own fields"
     assert "root" in cfg.data.params_dict()
     # Resolving the resolved config is a fixed point.
-    again, _ = resolve(cfg)
-    assert again == cfg
+    assert resolve(cfg) == resolved
 
 
 def test_resolve_keeps_given_params():
-    cfg, parsed = resolve(build_config({"method": {"name": "fedprox", "mu": 0.25},
-                                        "partition": {"name": "dirichlet", "alpha": 0.1}}))
-    assert cfg.method.params_dict() == {"mu": 0.25, "gradient": "direct"}
-    assert cfg.partition.params_dict()["alpha"] == 0.1
-    assert parsed["partition"].alpha == 0.1
+    resolved = resolve(build_config({"method": {"name": "fedprox", "mu": 0.25},
+                                     "partition": {"name": "dirichlet", "alpha": 0.1}}))
+    assert resolved.config.method.params_dict() == {"mu": 0.25, "gradient": "direct"}
+    assert resolved.config.partition.params_dict()["alpha"] == 0.1
+    assert resolved.partition.params.alpha == 0.1
 
 
 def test_resolved_yaml_lists_defaults(tmp_path):
-    cfg, _ = resolve(build_config({"method": {"name": "fedprox"}}))
-    dumped = yaml.safe_load(to_yaml(cfg))
+    dumped = yaml.safe_load(to_yaml(resolve(build_config({"method": {"name": "fedprox"}})).config))
     assert dumped["method"] == {"name": "fedprox", "mu": 0.001, "gradient": "direct"}
     assert "alpha" in dumped["partition"]
+
+
+# ---- resolved once, into types ------------------------------------------------------------------------
+
+def test_resolving_parses_each_named_section_once_and_the_run_never_again(monkeypatch, tmp_path):
+    from fedguide.fl.setup import open_run, prepare
+    from tests.tiny import tiny_config
+
+    calls = []
+    parse = Registry.parse_params
+
+    def counted(self, name, raw, where):
+        calls.append(where)
+        return parse(self, name, raw, where)
+
+    monkeypatch.setattr(Registry, "parse_params", counted)
+    cfg = tiny_config(method={"name": "fedprox", "mu": 0.5}, regularizers=[{"name": "dw", "mu": 0.2}])
+    resolved = resolve(cfg)
+    assert sorted(calls) == sorted(["data", "partition", "model", "method", "runtime", "regularizers[0]"])
+    calls.clear()
+    prepared = prepare(resolved)  # a resolved config is taken as it is
+    open_run(prepared, tmp_path / "run")
+    assert calls == [], "the data, the partition, the model, the method and the regularisers take parsed parameters"
+    assert prepared.resolved is resolved
+
+
+def test_the_resolved_config_types_each_section():
+    from fedguide.data.partition import PARTITIONS
+    from fedguide.methods import METHODS
+    from fedguide.methods.compose import REGULARIZERS
+
+    r = resolve(build_config({"method": {"name": "fedprox", "mu": 0.25}, "data": {"name": "digits", "fraction": 0.5},
+                              "regularizers": ["dw"]}))
+    assert r.method.entry is METHODS.get("fedprox") and r.method.params.mu == 0.25 and r.method.name == "fedprox"
+    assert r.partition.entry is PARTITIONS.get("dirichlet") and r.partition.params.alpha == 0.5
+    assert (r.data.name, r.data.fraction, r.data.public_fraction, r.data.on_device) == ("digits", 0.5, 0.0, "auto")
+    assert [(g.entry, g.params.mu) for g in r.regularizers] == [(REGULARIZERS.get("dw"), 0.1)]
+    assert r.config.regularizers == [{"name": "dw", "mu": 0.1, "mu_decay_every": None, "mu_decay_factor": 10.0}]
+    with pytest.raises(AttributeError):
+        r.method = r.model  # frozen: resolved once, read everywhere
+
+
+def test_build_regularizers_takes_parsed_parameters():
+    from pydantic import BaseModel
+
+    from fedguide.methods.compose import Regularizer, build_regularizers
+
+    class Term(Regularizer):
+        class Params(BaseModel):
+            mu: float = 0.0
+
+    reg = Registry("regularizer")
+    reg.register("term")(Term)
+    parsed = reg.parse("term", {"mu": 0.5}, "regularizers[0]")
+    (term,) = build_regularizers([parsed], run="the run")
+    assert type(term) is Term and term.params is parsed.params and term.run == "the run"
+
+
+CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO / "configs")))
+def test_a_resolved_config_resolves_to_itself_from_its_dump(path):
+    """config.yaml (the dump) resolves to the same types and dumps to the same text: resume, report and a
+    Flower client read a run's settings back exactly."""
+    resolved = resolve(load_config(path))
+    dumped = to_yaml(resolved.config)
+    again = resolve(build_config(yaml.safe_load(dumped)))
+    assert again == resolved and to_yaml(again.config) == dumped
+
+
+def test_the_smoke_configs_dump_is_unchanged():
+    """What config.yaml holds for configs/smoke.yaml, every default written out. A change here changes every
+    run folder's config.yaml (and what resume compares); when it is meant, rewrite the expected file with
+    ``python -c "from tests.test_config import write_smoke_dump; write_smoke_dump()"``."""
+    assert to_yaml(resolve(load_config(REPO / "configs/smoke.yaml")).config) == SMOKE_DUMP.read_text()
+
+
+SMOKE_DUMP = Path(__file__).parent / "expected" / "smoke.resolved.yaml"
+
+
+def write_smoke_dump() -> None:
+    SMOKE_DUMP.write_text(to_yaml(resolve(load_config(REPO / "configs/smoke.yaml")).config))
 
 
 # ---- the Registry itself ----------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def test_every_paper_setting_is_present():
 
 @pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
 def test_config_resolves_against_the_registries(path: Path):
-    cfg, parsed = resolve(load_config(path))
+    cfg = resolve(load_config(path)).config
     assert load_raw(path)["runtime"] == {"name": "local"}
     part = cfg.partition.params_dict()
     if cfg.partition.name == "longtail":

@@ -114,7 +114,7 @@ def cmd_serve(args) -> int:
             return 0
         cfg = None
     else:
-        cfg, _ = resolve(load_config(args.target, args.overrides))  # config errors before any process starts
+        cfg = resolve(load_config(args.target, args.overrides)).config  # config errors before any process starts
         run_dir = args.out or default_run_dir(args.target.stem, cfg.method.name, cfg.seed)
         RunFolder(run_dir).check_fresh()
     log = (lambda s: None) if args.quiet else (lambda s: console.print(s, markup=False))  # Flower's text, verbatim
@@ -136,7 +136,7 @@ def cmd_client(args) -> int:
     from fedguide.fl.setup import resolve
 
     console = _console()
-    cfg, _ = resolve(load_config(args.config, args.overrides))
+    cfg = resolve(load_config(args.config, args.overrides)).config
     folder = args.out or Path("runs") / f"flower-client-{args.partition_id}"
     try:
         run_client_node(cfg, args.partition_id, folder, superlink=args.superlink, insecure=args.insecure,

@@ -9,13 +9,14 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fedguide.registry import ConfigError, bool_for_number
+from fedguide.registry import ConfigError, Parsed, bool_for_number
 
 
 class Typed(BaseModel):
@@ -238,6 +239,35 @@ class Config(Strict):
 
 # Keys a named section owns itself (not parameters of the entry it names).
 SECTION_KEYS = {"data": ("fraction", "public_fraction", "public_seed", "on_device")}
+
+
+@dataclass(frozen=True)
+class DataSection(Parsed):
+    """The resolved ``data:`` section: the dataset's entry and parameters, and the section's own keys."""
+
+    fraction: float
+    public_fraction: float
+    public_seed: int
+    on_device: Union[Literal["auto"], bool]
+
+    def dump(self) -> dict[str, Any]:
+        own = {k: getattr(self, k) for k in SECTION_KEYS["data"]}
+        return {"name": self.entry.name, **own, **self.params.model_dump(mode="json")}
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A config resolved once against the registries (``fl.setup.resolve``): each named section as its entry
+    and parsed parameters, which every later step takes as they are, and ``config``, the same settings with
+    every default written out (what config.yaml holds and what resolves to this again)."""
+
+    config: Config
+    data: DataSection
+    partition: Parsed
+    model: Parsed
+    method: Parsed  # entry.obj: the Method class
+    runtime: Parsed  # entry.obj: the Runtime class
+    regularizers: tuple[Parsed, ...] = ()  # in the config's order; entry.obj: the Regularizer class
 
 
 def parse_value(text: str) -> Any:

@@ -53,6 +53,22 @@ class Entry(Generic[T]):
     summary: str
 
 
+@dataclass(frozen=True)
+class Parsed(Generic[T]):
+    """A registry entry with its parameters parsed: what a named config section resolves to, once."""
+
+    entry: Entry[T]
+    params: BaseModel
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    def dump(self) -> dict[str, Any]:
+        """``{name, **params}``: the section as the resolved config writes it."""
+        return {"name": self.entry.name, **self.params.model_dump(mode="json")}
+
+
 def plugin_modules(package: str) -> list[str]:
     """``package`` and every public module below it, at any depth (rooms of a package included), sorted.
     A name starting with ``_`` at any level is private: helpers, never entries."""
@@ -111,6 +127,10 @@ class Registry(Generic[T]):
         if name not in self._entries:
             raise ConfigError(f"unknown {self.kind} '{name}'; valid choices: {', '.join(self.names())}")
         return self._entries[name]
+
+    def parse(self, name: str, raw: dict[str, Any], where: str) -> Parsed[T]:
+        """Entry ``name`` with ``raw`` (its section without ``name``) parsed by its Params model."""
+        return Parsed(self.get(name), self.parse_params(name, raw, where))
 
     def parse_params(self, name: str, raw: dict[str, Any], where: str) -> BaseModel:
         """Validate ``raw`` (the section without ``name``) against the entry's Params model."""

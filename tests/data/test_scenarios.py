@@ -4,8 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fedguide.data.partition import PARTITIONS
 from fedguide.data.scenarios import clients_per_domain, make_scenario
-from fedguide.registry import ConfigError
+from fedguide.registry import ConfigError, Registry
 
 # 4 domains of sizes 100, 40, 60, 80; labels cycle 0..9 inside each domain.
 SIZES = {"mnist": 100, "usps": 40, "svhn": 60, "synthdigits": 80}
@@ -14,8 +15,13 @@ DOMAINS = np.concatenate([np.full(n, d) for d, n in enumerate(SIZES.values())])
 LABELS = np.concatenate([np.arange(n) % 10 for n in SIZES.values()])
 
 
+def parsed(name, raw):
+    """A ``partition:`` section as a resolved config holds it: the entry and its parsed parameters."""
+    return PARTITIONS.parse(name, raw, "partition")
+
+
 def scenario(name, num_clients, seed=0, **params):
-    return make_scenario(name, {"name": name, **params}, LABELS, num_clients, seed, DOMAINS, NAMES)
+    return make_scenario(parsed(name, params), LABELS, num_clients, seed, DOMAINS, NAMES)
 
 
 def test_domain_assign_and_fraction_as_in_the_digits_setting():
@@ -50,7 +56,7 @@ def test_domain_errors_name_the_fix(params, num, fix):
 
 def test_domain_scenarios_need_domains():
     with pytest.raises(ConfigError, match="needs a dataset with domains"):
-        make_scenario("domain", {}, LABELS, 4, 0)
+        make_scenario(parsed("domain", {}), LABELS, 4, 0)
 
 
 def test_feature_skew_is_one_whole_domain_per_client():
@@ -65,14 +71,14 @@ def test_feature_skew_is_one_whole_domain_per_client():
 
 def test_disjoint_classes_hand_out_whole_classes_once():
     labels = np.repeat(np.arange(60), 3)  # FedCADO: 60 classes -> 6 clients x 10
-    parts = make_scenario("disjoint_classes", {"shuffle": False}, labels, 6, 0).clients
+    parts = make_scenario(parsed("disjoint_classes", {"shuffle": False}), labels, 6, 0).clients
     assert [sorted(set(labels[p])) for p in parts] == [list(range(10 * i, 10 * i + 10)) for i in range(6)]
-    shuffled = make_scenario("disjoint_classes", {}, labels, 6, 0).clients
+    shuffled = make_scenario(parsed("disjoint_classes", {}), labels, 6, 0).clients
     sets = [set(labels[p]) for p in shuffled]
     assert all(len(s) == 10 for s in sets) and set().union(*sets) == set(range(60))
     assert sets != [set(labels[p]) for p in parts], "the seeded order differs from label order"
     with pytest.raises(ConfigError, match="lower partition.k"):
-        make_scenario("disjoint_classes", {"k": 11}, labels, 6, 0)
+        make_scenario(parsed("disjoint_classes", {"k": 11}), labels, 6, 0)
 
 
 def test_semi_supervised_server_domain_is_held_out_and_clients_unlabeled():
@@ -85,11 +91,11 @@ def test_semi_supervised_server_domain_is_held_out_and_clients_unlabeled():
 
 def test_semi_supervised_server_fraction_is_stratified():
     labels = np.repeat(np.arange(5), 20)
-    part = make_scenario("semi_supervised", {"server_fraction": 0.2}, labels, 4, 0)
+    part = make_scenario(parsed("semi_supervised", {"server_fraction": 0.2}), labels, 4, 0)
     assert np.bincount(labels[part.server]).tolist() == [4] * 5
     assert sum(len(p) for p in part.clients) == 80
     with pytest.raises(ConfigError, match="exactly one"):
-        make_scenario("semi_supervised", {}, labels, 4, 0)
+        make_scenario(parsed("semi_supervised", {}), labels, 4, 0)
 
 
 def test_scenarios_are_seeded():
@@ -98,3 +104,11 @@ def test_scenarios_are_seeded():
     c = scenario("domain", 10, seed=1, fraction=0.1, assign={"mnist": 1, "usps": 4, "svhn": 3, "synthdigits": 2})
     assert all(np.array_equal(x, y) for x, y in zip(a.clients, b.clients))
     assert not all(np.array_equal(x, y) for x, y in zip(a.clients, c.clients))
+
+
+def test_make_scenario_takes_the_parsed_parameters_as_they_are(monkeypatch):
+    section = parsed("disjoint_classes", {"k": 2, "shuffle": False})
+    monkeypatch.setattr(Registry, "parse_params", lambda *a: pytest.fail("the partition was parsed again"))
+    labels = np.repeat(np.arange(6), 2)
+    part = make_scenario(section, labels, 3, 0)
+    assert [sorted(set(labels[p])) for p in part.clients] == [[0, 1], [2, 3], [4, 5]]

@@ -126,18 +126,19 @@ def test_tls_and_auth_files_are_checked_with_the_fix_named(tmp_path, tls, monkey
 
     # Relative paths are taken from the working directory; server and client may hold different ones.
     monkeypatch.chdir(Path(tls["ca"]).parent)
-    cfg, _ = resolve(tiny_config(runtime={**FLOWER, "tls": {"ca": "ca.crt", "cert": "server.pem", "key": "server.key"},
-                                          "auth": {"public_keys": [public]}}))
+    cfg = resolve(tiny_config(runtime={**FLOWER, "tls": {"ca": "ca.crt", "cert": "server.pem", "key": "server.key"},
+                                       "auth": {"public_keys": [public]}})).config
     params = flower_params(cfg)
     assert str(params.tls.cert) == tls["cert"] and [str(p) for p in params.auth.public_keys] == [public]
     assert cfg.runtime.tls["ca"] == tls["ca"]  # the resolved config (config.yaml) holds absolute paths
-    client_cfg, _ = resolve(tiny_config(runtime={**FLOWER, "tls": {"ca": tls["ca"]}, "auth": {"private_key": private}}))
+    client_cfg = resolve(tiny_config(runtime={**FLOWER, "tls": {"ca": tls["ca"]},
+                                              "auth": {"private_key": private}})).config
     assert fingerprint(cfg) == fingerprint(client_cfg)
 
 
 # ---- who may be exposed ---------------------------------------------------------------------------
 def test_serve_beyond_loopback_needs_tls_or_an_explicit_insecure(tmp_path, tls, capsys):
-    cfg, _ = resolve(tiny_config(runtime=FLOWER))
+    cfg = resolve(tiny_config(runtime=FLOWER)).config
     with pytest.raises(ConfigError, match=r"--host 0.0.0.0 .*runtime.tls.*--insecure"):
         deploy.serve(tmp_path / "run", cfg, host="0.0.0.0")
     assert not (tmp_path / "run").exists(), "refused before anything started"
@@ -149,7 +150,7 @@ def test_serve_beyond_loopback_needs_tls_or_an_explicit_insecure(tmp_path, tls, 
         with pytest.raises(ConfigError, match="runtime.tls"):
             deploy.check_exposure(host, None, False)
         assert "warning: --insecure" in deploy.check_exposure(host, None, True)
-    tls_params = flower_params(resolve(tiny_config(runtime={**FLOWER, "tls": tls}))[0]).tls
+    tls_params = flower_params(resolve(tiny_config(runtime={**FLOWER, "tls": tls})).config).tls
     assert deploy.check_exposure("0.0.0.0", tls_params, False) is None
     with pytest.raises(ConfigError, match="--insecure and runtime.tls contradict"):
         deploy.check_exposure("0.0.0.0", tls_params, True)
@@ -165,10 +166,10 @@ def test_serve_beyond_loopback_needs_tls_or_an_explicit_insecure(tmp_path, tls, 
 def test_a_client_needs_tls_or_insecure_for_a_superlink_on_another_machine(tmp_path, tls, monkeypatch):
     started = []
     monkeypatch.setattr(client_side, "_run_supernode", lambda *a, **k: started.append(a))
-    cfg, _ = resolve(tiny_config(runtime=FLOWER))
+    cfg = resolve(tiny_config(runtime=FLOWER)).config
     with pytest.raises(ConfigError, match=r"10.1.2.3:9092 is on another machine: set runtime.tls.ca.*--insecure"):
         client_side.run_client_node(cfg, 0, tmp_path / "c", superlink="10.1.2.3:9092")
-    tls_cfg, _ = resolve(tiny_config(runtime={**FLOWER, "tls": {"ca": tls["ca"]}}))
+    tls_cfg = resolve(tiny_config(runtime={**FLOWER, "tls": {"ca": tls["ca"]}})).config
     with pytest.raises(ConfigError, match="--insecure and runtime.tls contradict"):
         client_side.run_client_node(tls_cfg, 0, tmp_path / "c", superlink="10.1.2.3:9092", insecure=True)
     assert started == [] and not (tmp_path / "c").exists()
@@ -205,7 +206,7 @@ def test_serve_checks_that_its_certificate_names_where_it_reaches_the_superlink(
         return listener.getsockname()[1], thread
 
     def params(paths):
-        return flower_params(resolve(tiny_config(runtime={**FLOWER, "tls": paths}))[0]).tls
+        return flower_params(resolve(tiny_config(runtime={**FLOWER, "tls": paths})).config).tls
 
     public_only = make_tls(tmp_path / "public", names=("server.example.org",))
     port, thread = served(public_only)
@@ -272,7 +273,7 @@ def test_a_refused_client_retries_for_connect_timeout_then_names_the_refusal(tmp
 
     monkeypatch.setattr(client_side, "_run_supernode", supernode)
     monkeypatch.setattr(client_side, "REFUSED_RETRY_S", 0.01)
-    cfg, _ = resolve(tiny_config(runtime={**FLOWER, "connect_timeout": 0.3}))
+    cfg = resolve(tiny_config(runtime={**FLOWER, "connect_timeout": 0.3})).config
     lines: list[str] = []
 
     outcomes[:] = ["2001"]
@@ -296,7 +297,7 @@ def test_a_refused_client_retries_for_connect_timeout_then_names_the_refusal(tmp
 
     outcomes[:] = ["2004", "2004", "stop"]  # registered in time: the third SuperNode gets in
     with pytest.raises(KeyboardInterrupt):
-        client_side.run_client_node(resolve(tiny_config(runtime=FLOWER))[0], 1, tmp_path / "c", log=lines.append)
+        client_side.run_client_node(resolve(tiny_config(runtime=FLOWER)).config, 1, tmp_path / "c", log=lines.append)
     assert outcomes == []
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fedguide.data.partition import PARTITIONS, _sorted
-from fedguide.registry import ConfigError
+from fedguide.registry import ConfigError, Parsed
 
 
 @dataclass
@@ -188,19 +188,18 @@ def semi_supervised(labels: np.ndarray, num_clients: int, params: SemiSupervised
 semi_supervised.needs_domains = True
 
 
-def make_scenario(name: str, raw_params: dict[str, Any], labels: np.ndarray, num_clients: int, seed: int,
+def make_scenario(partition: Parsed, labels: np.ndarray, num_clients: int, seed: int,
                   domains: Optional[np.ndarray] = None, domain_names: Optional[list[str]] = None) -> Partition:
-    """Validate the config section, run partition ``name`` seeded with ``seed``, check no client is empty."""
+    """Run ``partition`` (a resolved config's: the entry and its parsed parameters) seeded with ``seed``, check
+    no client is empty."""
     if num_clients < 1:
         raise ConfigError(f"clients.num must be >= 1, got {num_clients}")
     labels = np.asarray(labels)
     if labels.ndim != 1:
         raise ValueError(f"labels must be 1-D, got shape {labels.shape}")
-    raw = {k: v for k, v in raw_params.items() if k != "name"}
-    params = PARTITIONS.parse_params(name, raw, "partition")
-    fn = PARTITIONS.get(name).obj
+    fn, name = partition.entry.obj, partition.name
     extra = {"domains": domains, "domain_names": domain_names} if getattr(fn, "needs_domains", False) else {}
-    out = fn(labels, num_clients, params, np.random.default_rng(seed), **extra)
+    out = fn(labels, num_clients, partition.params, np.random.default_rng(seed), **extra)
     result = out if isinstance(out, Partition) else Partition(out)
     empty = [k for k, p in enumerate(result.clients) if len(p) == 0]
     # A partition may opt in to empty clients by setting ``allow_empty = True`` on its function.
@@ -215,5 +214,7 @@ def make_scenario(name: str, raw_params: dict[str, Any], labels: np.ndarray, num
 def make_partition(
     name: str, raw_params: dict[str, Any], labels: np.ndarray, num_clients: int, seed: int
 ) -> list[np.ndarray]:
-    """The clients' index arrays of a label-only partition (see ``make_scenario``)."""
-    return make_scenario(name, raw_params, labels, num_clients, seed).clients
+    """The clients' index arrays of label-only partition ``name`` with the parameters ``raw_params`` (a
+    ``partition:`` section; see ``make_scenario``)."""
+    raw = {k: v for k, v in raw_params.items() if k != "name"}
+    return make_scenario(PARTITIONS.parse(name, raw, "partition"), labels, num_clients, seed).clients

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 import yaml
 
-from fedguide.config import SECTION_KEYS, Config, build_config
+from fedguide.config import SECTION_KEYS, Config, DataSection, ResolvedConfig, build_config
 from fedguide.core.device import (check_precision, computes_on_host, deterministic, device_rules, free_bytes,
                                   is_gpu_like, resolve_device)
 from fedguide.core.evaluation import Evaluator
@@ -36,71 +36,79 @@ from fedguide.models import MODELS, build_model
 from fedguide.registry import ConfigError
 
 
-def resolve(cfg: Config) -> tuple[Config, dict[str, Any]]:
-    """Validate every named section against its registry and return the config with all defaults
-    written out, plus the parsed parameter objects."""
-    raw = cfg.model_dump(mode="json")
+def resolve(cfg: Union[Config, ResolvedConfig]) -> ResolvedConfig:
+    """Every named section parsed by its registry, once: the entries and their parameters that every later
+    step takes as they are, and the config with every default written out. A resolved config is returned
+    as it is."""
+    if isinstance(cfg, ResolvedConfig):
+        return cfg
+    method = METHODS.get(cfg.method.name)
     # A missing optional layer is named with its pip command before any parameter is parsed or anything built.
-    for section, entry in (("method", METHODS.get(cfg.method.name)), ("runtime", RUNTIMES.get(cfg.runtime.name))):
+    for section, entry in (("method", method), ("runtime", RUNTIMES.get(cfg.runtime.name))):
         require_extras(entry.obj.extras, f"{section}.name={entry.name}")
-    regs, model_defaults = [], dict(METHODS.get(cfg.method.name).obj.model_defaults)
+    regs, model_defaults = [], dict(method.obj.model_defaults)
     for i, spec in enumerate(cfg.regularizers):
         spec = {"name": spec} if isinstance(spec, str) else dict(spec)
         if "name" not in spec:
             raise ConfigError(f"regularizers[{i}] has no name; write e.g. regularizers: [dw]")
-        name = spec.pop("name")
-        regs.append({"name": name, **REGULARIZERS.parse_params(name, spec, f"regularizers[{i}]").model_dump(mode="json")})
-        model_defaults.update(REGULARIZERS.get(name).obj.model_defaults)
-    raw["regularizers"] = regs
+        regs.append(REGULARIZERS.parse(spec.pop("name"), spec, f"regularizers[{i}]"))
+        model_defaults.update(regs[-1].entry.obj.model_defaults)
+    data = DATASETS.parse(cfg.data.name, cfg.data.params_dict(), "data")
+    sections = {
+        "data": DataSection(data.entry, data.params, **{k: getattr(cfg.data, k) for k in SECTION_KEYS["data"]}),
+        "partition": PARTITIONS.parse(cfg.partition.name, cfg.partition.params_dict(), "partition"),
+        # Keys the method's paper fixes apply unless the config sets them explicitly.
+        "model": MODELS.parse(cfg.model.name, {**model_defaults, **cfg.model.params_dict()}, "model"),
+        "method": METHODS.parse(cfg.method.name, cfg.method.params_dict(), "method"),
+        "runtime": RUNTIMES.parse(cfg.runtime.name, cfg.runtime.params_dict(), "runtime"),
+    }
+    for key, extras in method.obj.option_extras(sections["method"].params).items():
+        require_extras(extras, f"{key} of method.name={cfg.method.name}")
+    raw = cfg.model_dump(mode="json")
+    raw["regularizers"] = [r.dump() for r in regs]
     if raw["guidance"]["device"] == "auto":  # the guidance model computes where the run does
         raw["guidance"]["device"] = raw["train"]["device"]
-    parsed = {
-        "data": DATASETS.parse_params(cfg.data.name, cfg.data.params_dict(), "data"),
-        "partition": PARTITIONS.parse_params(cfg.partition.name, cfg.partition.params_dict(), "partition"),
-        # Keys the method's paper fixes apply unless the config sets them explicitly.
-        "model": MODELS.parse_params(cfg.model.name, {**model_defaults, **cfg.model.params_dict()}, "model"),
-        "method": METHODS.parse_params(cfg.method.name, cfg.method.params_dict(), "method"),
-        "runtime": RUNTIMES.parse_params(cfg.runtime.name, cfg.runtime.params_dict(), "runtime"),
-    }
-    for key, extras in METHODS.get(cfg.method.name).obj.option_extras(parsed["method"]).items():
-        require_extras(extras, f"{key} of method.name={cfg.method.name}")
-    for section, params in parsed.items():
-        own = ("name", *SECTION_KEYS.get(section, ()))  # the section's own keys, not the entry's params
-        raw[section] = {**{k: raw[section][k] for k in own if k in raw[section]},
-                        **params.model_dump(mode="json")}
-    return build_config(raw), parsed
+    raw.update({section: parsed.dump() for section, parsed in sections.items()})
+    return ResolvedConfig(build_config(raw), regularizers=tuple(regs), **sections)
 
 
 @dataclass
 class Prepared:
     """Everything that follows from the config alone (shared by --dry-run and a real run)."""
 
-    config: Config
-    params: dict[str, Any]
+    resolved: ResolvedConfig
     data: FederatedData
-    method_cls: type[Method]
+
+    @property
+    def config(self) -> Config:
+        return self.resolved.config
+
+    @property
+    def method_cls(self) -> type[Method]:
+        return self.resolved.method.entry.obj
 
 
-def prepare(cfg: Config) -> Prepared:
-    cfg, params = resolve(cfg)
-    root = getattr(params["data"], "root", None)
+def prepare(cfg: Union[Config, ResolvedConfig]) -> Prepared:
+    resolved = resolve(cfg)
+    cfg = resolved.config
+    root = getattr(resolved.data.params, "root", None)
     # A run names its data: a data.root that does not exist must not fall back to another copy (the
     # download folder, $FEDGUIDE_DATA, a system folder) while config.yaml records the missing one.
     if root and not Path(root).expanduser().exists():
         raise ConfigError(f"data.root {root} does not exist; fix the path, or remove data.root to use "
                           "$FEDGUIDE_DATA and the default places")
-    splits = DATASETS.get(cfg.data.name).obj(params["data"])
+    splits = resolved.data.entry.obj(resolved.data.params)
     # Seeded by a constant, not the run seed: runs of different seeds score the same test samples.
     splits, test_subset = scored_test_subset(splits, cfg.eval.test_subset, numpy_rng(0, "test_subset"))
     labels = splits.train_y.numpy()
     pool = np.arange(len(labels))
-    public = public_pool(labels, cfg.data.public_fraction, cfg.data.public_seed)
+    public = public_pool(labels, resolved.data.public_fraction, resolved.data.public_seed)
     pool = np.setdiff1d(pool, public)
-    used = pool[stratified_fraction(labels[pool], cfg.data.fraction, numpy_rng(cfg.seed, "data"))]
+    used = pool[stratified_fraction(labels[pool], resolved.data.fraction, numpy_rng(cfg.seed, "data"))]
     domains = splits.train_domains.numpy()[used] if splits.train_domains is not None else None
-    part = make_scenario(cfg.partition.name, cfg.partition.params_dict(), labels[used], cfg.clients.num,
-                         derive_seed(cfg.seed, "partition"), domains, splits.domain_names)
-    method_cls = METHODS.get(cfg.method.name).obj
+    part = make_scenario(resolved.partition, labels[used], cfg.clients.num, derive_seed(cfg.seed, "partition"),
+                         domains, splits.domain_names)
+    method_cls = resolved.method.entry.obj
     if not part.clients_labeled and method_cls.needs_client_labels:
         raise ConfigError(f"partition '{cfg.partition.name}' leaves the clients' data unlabeled, but method "
                           f"'{cfg.method.name}' trains on client labels; choose a method for unlabeled clients "
@@ -108,11 +116,11 @@ def prepare(cfg: Config) -> Prepared:
     partition = [used[p] for p in part.clients]
     client_indices = method_cls.federation(partition)
     try:  # an architecture that cannot take these inputs is a config error, found before any run dir exists
-        model = build_model(cfg.model.name, params["model"], splits.model_spec())
+        model = build_model(cfg.model.name, resolved.model.params, splits.model_spec())
     except ValueError as err:
         raise ConfigError(str(err)) from None
     check_precision(cfg.train.precision, resolve_device(cfg.train.device))
-    check_deterministic(cfg, model, method_cls, params["method"])
+    check_deterministic(cfg, model, method_cls, resolved.method.params)
     check_augment(cfg.train.augment, splits.input_shape, splits.train_x.dtype.is_floating_point,
                   splits.pixel_stats is not None)
     data = FederatedData(splits, client_indices, public_indices=public,
@@ -126,7 +134,7 @@ def prepare(cfg: Config) -> Prepared:
                               "personalised model to score; write eval.mode: global")
         data.personal_test = data.personal_test_split(cfg.eval.personal_test_fraction,
                                                       numpy_rng(cfg.seed, "personal_test"))
-    return Prepared(cfg, params, data, method_cls)
+    return Prepared(resolved, data)
 
 
 # Layers whose backward has no deterministic CUDA kernel (adaptive pooling to one value per channel is a mean,
@@ -172,7 +180,7 @@ def open_run(prepared: Prepared, run_dir: Path, setup: bool = False) -> tuple[Ru
     memory_format = torch.channels_last if train.channels_last else torch.preserve_format
 
     def make_model():
-        return build_model(cfg.model.name, prepared.params["model"], spec).to(device, memory_format=memory_format)
+        return build_model(cfg.model.name, prepared.resolved.model.params, spec).to(device, memory_format=memory_format)
 
     # The initial weights are drawn on the CPU and then moved: the same run on every device starts alike.
     torch.manual_seed(derive_seed(cfg.seed, "model"))
@@ -195,7 +203,7 @@ def open_run(prepared: Prepared, run_dir: Path, setup: bool = False) -> tuple[Ru
         clients=cfg.clients,
         data_settings=cfg.data,
         model_name=cfg.model.name,
-        model_params=prepared.params["model"],
+        model_params=prepared.resolved.model.params,
         data=prepared.data,
         model=model,
         make_model=make_model,
@@ -210,9 +218,9 @@ def open_run(prepared: Prepared, run_dir: Path, setup: bool = False) -> tuple[Ru
         device=device,
         device_data=device_data,
     )
-    method = prepared.method_cls(prepared.params["method"], ctx)
+    method = prepared.method_cls(prepared.resolved.method.params, ctx)
     if cfg.regularizers:
-        method = with_regularizers(method, build_regularizers(cfg.regularizers, ctx))
+        method = with_regularizers(method, build_regularizers(prepared.resolved.regularizers, ctx))
     if setup:
         if train.deterministic:  # a client-side process keeps the setting for its whole life
             deterministic(True).__enter__()

@@ -21,13 +21,13 @@ attributes and its other hooks as they are for whoever holds it: the runtimes, t
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import torch
 from pydantic import BaseModel
 
 from fedguide.methods.base import ClientContext, Method, Record
-from fedguide.registry import ConfigError, NoParams, Registry
+from fedguide.registry import ConfigError, NoParams, Parsed, Registry
 
 REGULARIZERS: Registry = Registry("regularizer", plugins=("fedguide.methods",))
 
@@ -129,13 +129,7 @@ class Hooks:
         self.method.load_server_state({k: v for k, v in state.items() if not k.startswith(prefixes)})
 
 
-def build_regularizers(specs: list, run: Any) -> list[Regularizer]:
-    out = []
-    for i, spec in enumerate(specs):
-        raw = {"name": spec} if isinstance(spec, str) else dict(spec)
-        name = raw.pop("name", None)
-        if name is None:
-            raise ValueError(f"regularizers[{i}] has no name; write e.g. regularizers: [dw]")
-        entry = REGULARIZERS.get(name)
-        out.append(entry.obj(REGULARIZERS.parse_params(name, raw, f"regularizers[{i}]"), run))
-    return out
+def build_regularizers(regularizers: Sequence[Parsed], run: Any) -> list[Regularizer]:
+    """The config's regularisers (``ResolvedConfig.regularizers``: entries with their parsed parameters) built
+    over the opened run."""
+    return [r.entry.obj(r.params, run) for r in regularizers]

@@ -133,8 +133,8 @@ def test_feddw_mnist_paper_configs_use_the_unpooled_cnn(setting):
     from fedguide.config import load_config
     from fedguide.fl.setup import resolve
 
-    cfg, parsed = resolve(load_config(Path(__file__).parents[3] / f"configs/paper/feddw_mnist_{setting}.yaml"))
-    model = parsed["model"]
+    resolved = resolve(load_config(Path(__file__).parents[3] / f"configs/paper/feddw_mnist_{setting}.yaml"))
+    cfg, model = resolved.config, resolved.model.params
     assert cfg.model.name == "cnn" and not model.pooling and model.feature_dim is None
     assert model.mapping == [128, 128]
 

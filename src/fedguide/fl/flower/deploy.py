@@ -85,8 +85,7 @@ def server_main(grid, context) -> None:
 
 def deployed_experiment(prepared: Prepared, run_dir: Path, grid, log: Callable[[str], None] = print) -> Experiment:
     """fedguide's round loop with its clients on the SuperNodes that ``grid`` reaches."""
-    params = prepared.params["runtime"]
-    return Experiment(prepared, run_dir, log=log, runtime=Deployment(params, grid=grid))
+    return Experiment(prepared, run_dir, log=log, runtime=Deployment(prepared.resolved.runtime.params, grid=grid))
 
 
 def _server_app():

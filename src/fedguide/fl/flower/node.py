@@ -82,7 +82,7 @@ class ClientNode:
         self.partition_id = partition_id
         self.folder = Path(folder)
         self.fingerprint = fingerprint(self.cfg)
-        self.threads = self.prepared.params["runtime"].threads_per_worker or DEFAULT_THREADS
+        self.threads = self.prepared.resolved.runtime.params.threads_per_worker or DEFAULT_THREADS
         self._run: Optional[tuple[str, Any, Any]] = None  # (run key, ctx, method)
 
     def run_folder(self, key: str) -> Path:

@@ -98,4 +98,5 @@ class Runtime:
 
 def runtime_of(prepared) -> Runtime:
     """The runtime a prepared (resolved) config names, built from its parsed parameters."""
-    return RUNTIMES.get(prepared.config.runtime.name).obj(prepared.params["runtime"])
+    runtime = prepared.resolved.runtime
+    return runtime.entry.obj(runtime.params)
