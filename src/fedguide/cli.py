@@ -344,12 +344,12 @@ def _add_pretrain(sub) -> None:
 
 
 def _add_analyze(sub) -> None:
-    from fedguide.analysis.dispatch import FIGURES
+    from fedguide.analysis.figure import in_order, option
 
     ana = sub.add_parser("analyze", help="the papers' analysis figures of a finished run (PNG + JSON in RUN/analysis/)")
     ana.add_argument("run_dir", type=Path, metavar="RUN")
-    for figure in FIGURES:
-        ana.add_argument(figure.option, dest=figure.name, action="store_true", help=figure.help)
+    for figure in in_order():
+        ana.add_argument(option(figure.name), dest=figure.name, action="store_true", help=figure.summary)
     ana.add_argument("--points", type=int, default=2000, help="t-SNE: at most this many test images (default 2000)")
     ana.add_argument("--seed", type=int, default=0, help="seed of the subsets, t-SNE and K-means (default 0)")
     ana.set_defaults(func=cmd_analyze)
@@ -357,10 +357,11 @@ def _add_analyze(sub) -> None:
 
 def cmd_analyze(args) -> int:
     """No figure named: every figure that applies to the run; a named one that does not apply is an error."""
-    from fedguide.analysis import FIGURES, analyze
+    from fedguide.analysis import analyze
+    from fedguide.analysis.figure import in_order
 
     console = _console()
-    chosen = [f.name for f in FIGURES if getattr(args, f.name)]
+    chosen = [f.name for f in in_order() if getattr(args, f.name)]
     result = analyze(args.run_dir, chosen or None, points=args.points, seed=args.seed,
                      log=lambda line: console.print(line, markup=False))
     for name, paths in result.written.items():

@@ -1,49 +1,16 @@
-"""Which figures ``fedguide analyze`` makes and for which runs: one module per figure, each with
-``applies(run)`` (None, or the sentence saying why the figure does not apply to the run) and
-``make(run, points=, seed=)`` (the paths it wrote under RUN/analysis/).
+"""Which figures ``fedguide analyze`` makes for a run (the figures are ``FIGURES``' entries, figure.py).
 
 Asked for by name, a figure that does not apply is an error naming the reason; with no figure named,
 every figure that applies is made and the others are skipped with their reason.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from fedguide.analysis.figure import FIGURES, in_order, option
 from fedguide.registry import ConfigError
-
-
-@dataclass(frozen=True)
-class FigureKind:
-    name: str  # also the option: --tsne, --pca, --weight-norms, ...
-    module: str
-    help: str
-
-    @property
-    def option(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    def load(self):
-        return importlib.import_module(self.module)
-
-
-FIGURES: tuple[FigureKind, ...] = (
-    FigureKind("tsne", "fedguide.analysis.tsne",
-               "t-SNE of the final global model's features on a stratified test subset, by class (and domain)"),
-    FigureKind("pca", "fedguide.analysis.diffusion_maps",
-               "diffusion-guided runs: PCA-as-RGB and K-means maps of the diffusion features of a few test images"),
-    FigureKind("weight_norms", "fedguide.analysis.weight_norms",
-               "norm of each class's classifier row against the class's share of the data (global, clients)"),
-    FigureKind("sl_cr", "fedguide.analysis.sl_cr",
-               "FedDW's soft-label and class-relation matrices of the final model"),
-    FigureKind("flops", "fedguide.analysis.flops",
-               "FLOPs of one local training step of the method against FedAvg's"),
-    FigureKind("samples", "fedguide.analysis.samples",
-               "one-shot generating runs: generated images beside client originals of the same class"),
-)
-BY_NAME = {f.name: f for f in FIGURES}
 
 
 @dataclass
@@ -58,26 +25,27 @@ def analyze(run_dir: Path | str, figures: Optional[Sequence[str]] = None, points
     """Write the asked figures (default: every one that applies) of a finished run into RUN/analysis/."""
     from fedguide.analysis.opened import AnalysisRun
 
-    unknown = [f for f in figures or () if f not in BY_NAME]
+    ordered = [entry.name for entry in in_order()]
+    unknown = [f for f in figures or () if f not in FIGURES]
     if unknown:
-        raise ConfigError(f"unknown figure(s) {unknown}; choose from {', '.join(BY_NAME)}")
+        raise ConfigError(f"unknown figure(s) {unknown}; choose from {', '.join(ordered)}")
     if points < 10:
         raise ConfigError(f"points={points} is too few for a t-SNE; ask for at least 10")
     run = AnalysisRun(run_dir)
     result = AnalysisResult(run.run_dir)
-    kinds = [BY_NAME[f] for f in dict.fromkeys(figures)] if figures else list(FIGURES)
+    names = list(dict.fromkeys(figures)) if figures else ordered
     todo = []
-    for kind in kinds:  # every refusal before the first figure is computed
-        module = kind.load()
-        reason = module.applies(run)
+    for name in names:  # every refusal before the first figure is computed
+        figure = FIGURES.get(name).obj()
+        reason = figure.applies(run)
         if reason is None:
-            todo.append((kind, module))
+            todo.append((name, figure))
         elif figures:
-            raise ConfigError(f"{kind.option} does not apply to {run.run_dir}: {reason}")
+            raise ConfigError(f"{option(name)} does not apply to {run.run_dir}: {reason}")
         else:
-            result.skipped[kind.name] = reason
-            log(f"{kind.name}: skipped ({reason})")
-    for kind, module in todo:
-        log(f"{kind.name}: computing")
-        result.written[kind.name] = module.make(run, points=points, seed=seed)
+            result.skipped[name] = reason
+            log(f"{name}: skipped ({reason})")
+    for name, figure in todo:
+        log(f"{name}: computing")
+        result.written[name] = figure.make(run, points=points, seed=seed)
     return result

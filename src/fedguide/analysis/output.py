@@ -6,17 +6,23 @@ backend is switched and no figure is left registered anywhere.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from fedguide.core.atomic import write_atomic, write_json
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 
 def new_figure(size: tuple[float, float]) -> Figure:
+    # matplotlib here, not at the top: every figure module imports this one, and 'fedguide --help' imports
+    # every figure module to list its option.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=size, dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     return fig

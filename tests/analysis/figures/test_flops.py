@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from fedguide.analysis import analyze
-from fedguide.analysis.flops import step_flops
+from fedguide.analysis.figures.flops import step_flops
 from fedguide.data.federated import ClientData
 from fedguide.methods.base import ClientContext
 from fedguide.methods.classic.fedavg import FedAvg

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from fedguide.analysis import analyze
+from fedguide.analysis.figures.tsne import stratified_subset
 from fedguide.analysis.opened import AnalysisRun
-from fedguide.analysis.tsne import stratified_subset
 
 
 def test_subset_keeps_each_class_share_and_follows_the_seed():

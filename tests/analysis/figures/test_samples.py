@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from fedguide.analysis import analyze
+from fedguide.analysis.figures.samples import Generated, generated_images, row_pairs
 from fedguide.analysis.opened import AnalysisRun
-from fedguide.analysis.samples import Generated, generated_images, row_pairs
 from fedguide.methods.frozen_encoder.feddisc import SAMPLES_FILE
 from fedguide.registry import ConfigError
 

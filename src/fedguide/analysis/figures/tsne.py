@@ -13,17 +13,20 @@ Decisions
 """
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedguide.analysis.opened import AnalysisRun
+from fedguide.analysis.figure import FIGURES, Figure
 from fedguide.analysis.output import class_colors, new_figure, save_numbers, save_png
 from fedguide.data.federated import stratified_fraction
 
-NAME = "tsne"
+if TYPE_CHECKING:
+    from fedguide.analysis.opened import AnalysisRun
+
 SUBSET_TAG = 0x75E  # the subset's random stream, apart from t-SNE's own
 MARKERS = "os^Dv<>pP*h"
 
@@ -53,42 +56,47 @@ def silhouette(vectors: np.ndarray, labels: np.ndarray, metric: str) -> float | 
     return float(silhouette_score(vectors, labels, metric=metric))
 
 
-def applies(run: AnalysisRun) -> str | None:
-    return None if run.trained else run.untrained_reason
+@FIGURES.register(
+    "tsne",
+    summary="t-SNE of the final global model's features on a stratified test subset, by class (and domain)")
+class TSNE(Figure):
+    order = 10
 
+    def applies(self, run: AnalysisRun) -> Optional[str]:
+        return None if run.trained else run.untrained_reason
 
-def make(run: AnalysisRun, points: int, seed: int, **_: Any) -> list:
-    splits = run.splits
-    test_y = splits.test_y.numpy()
-    idx = stratified_subset(test_y, points, seed)
-    z, _ = run.outputs(splits.test_x[torch.from_numpy(idx)])
-    features = F.normalize(z, dim=1).numpy()
-    labels = test_y[idx]
-    head = run.head_weight()
-    rows = F.normalize(head, dim=1).numpy() if head is not None and head.shape[1] == z.shape[1] else None
-    coords = tsne_map(features if rows is None else np.concatenate([features, rows]), seed)
-    point_xy, row_xy = coords[: len(idx)], coords[len(idx):]
-    domains = splits.test_domains.numpy()[idx] if splits.test_domains is not None else None
-    numbers = {
-        "figure": "t-SNE of the final global model's encoder outputs z (FedDifRC Figs. 2, 8, 9; SemanticFL Fig. 4; "
-                  "FedDW Fig. 5)",
-        "run": str(run.run_dir), "method": run.method_label, "seed": seed,
-        "vectors": "L2-normalised z of a stratified test subset" + (
-            ", embedded together with the L2-normalised rows of the classification layer" if rows is not None else ""),
-        "test_images": int(len(idx)), "test_set": int(len(test_y)),
-        "silhouette_features": silhouette(features, labels, "cosine"),
-        "silhouette_tsne": silhouette(point_xy, labels, "euclidean"),
-        "class_names": run.class_names,
-        "points": [{"test_index": int(i), "label": int(c), "x": float(x), "y": float(y)}
-                   for i, c, (x, y) in zip(idx, labels, point_xy)],
-        "class_weights": [{"class": c, "x": float(x), "y": float(y)} for c, (x, y) in enumerate(row_xy)],
-    }
-    if domains is not None:
-        numbers["domain_names"] = list(splits.domain_names)
-        for p, d in zip(numbers["points"], domains):
-            p["domain"] = int(d)
-    png = save_png(draw(numbers), run.out_dir / "tsne.png")
-    return [png, save_numbers(run.out_dir / "tsne.json", numbers)]
+    def make(self, run: AnalysisRun, points: int, seed: int) -> list[Path]:
+        splits = run.splits
+        test_y = splits.test_y.numpy()
+        idx = stratified_subset(test_y, points, seed)
+        z, _ = run.outputs(splits.test_x[torch.from_numpy(idx)])
+        features = F.normalize(z, dim=1).numpy()
+        labels = test_y[idx]
+        head = run.head_weight()
+        rows = F.normalize(head, dim=1).numpy() if head is not None and head.shape[1] == z.shape[1] else None
+        coords = tsne_map(features if rows is None else np.concatenate([features, rows]), seed)
+        point_xy, row_xy = coords[: len(idx)], coords[len(idx):]
+        domains = splits.test_domains.numpy()[idx] if splits.test_domains is not None else None
+        numbers = {
+            "figure": "t-SNE of the final global model's encoder outputs z (FedDifRC Figs. 2, 8, 9; SemanticFL Fig. 4; "
+                      "FedDW Fig. 5)",
+            "run": str(run.run_dir), "method": run.method_label, "seed": seed,
+            "vectors": "L2-normalised z of a stratified test subset" + (
+                ", embedded together with the L2-normalised rows of the classification layer" if rows is not None else ""),
+            "test_images": int(len(idx)), "test_set": int(len(test_y)),
+            "silhouette_features": silhouette(features, labels, "cosine"),
+            "silhouette_tsne": silhouette(point_xy, labels, "euclidean"),
+            "class_names": run.class_names,
+            "points": [{"test_index": int(i), "label": int(c), "x": float(x), "y": float(y)}
+                       for i, c, (x, y) in zip(idx, labels, point_xy)],
+            "class_weights": [{"class": c, "x": float(x), "y": float(y)} for c, (x, y) in enumerate(row_xy)],
+        }
+        if domains is not None:
+            numbers["domain_names"] = list(splits.domain_names)
+            for p, d in zip(numbers["points"], domains):
+                p["domain"] = int(d)
+        png = save_png(draw(numbers), run.out_dir / "tsne.png")
+        return [png, save_numbers(run.out_dir / "tsne.json", numbers)]
 
 
 def draw(numbers: dict):

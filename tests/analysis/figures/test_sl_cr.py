@@ -9,8 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from fedguide.analysis import analyze
+from fedguide.analysis.figures.sl_cr import soft_labels
 from fedguide.analysis.opened import AnalysisRun
-from fedguide.analysis.sl_cr import soft_labels
 
 
 def test_soft_labels_hand_computed():

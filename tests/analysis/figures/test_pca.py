@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedguide.analysis import analyze
-from fedguide.analysis.diffusion_maps import fused_map, pca_rgb, pick_images
+from fedguide.analysis.figures.pca import fused_map, pca_rgb, pick_images
 from fedguide.guidance.fused import FusedFeatures
 from fedguide.registry import ConfigError
 

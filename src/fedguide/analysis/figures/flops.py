@@ -21,11 +21,12 @@ the run's model to count.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from fedguide.analysis.opened import AnalysisRun
+from fedguide.analysis.figure import FIGURES, Figure
 from fedguide.analysis.output import new_figure, save_numbers, save_png
 from fedguide.core.training import local_objective, regularizer_terms
 from fedguide.methods.base import ClientContext, Method
@@ -33,7 +34,9 @@ from fedguide.methods.compose import Hooks
 from fedguide.methods.classic.fedavg import FedAvg
 from fedguide.registry import NoParams
 
-NAME = "flops"
+if TYPE_CHECKING:
+    from fedguide.analysis.opened import AnalysisRun
+
 PAPER = {"source": "FedDifRC App. C.2.10 (CIFAR-10 training)", "fedavg_gflops": 132.9, "feddifrc_gflops": 187.6,
          "ratio": round(187.6 / 132.9, 3)}
 
@@ -94,39 +97,42 @@ def measure(run: AnalysisRun, method: Method, client_id: int, batch: torch.Tenso
         ctx.layout.load(ctx.model, run.final_weights)
 
 
-def applies(run: AnalysisRun) -> str | None:
-    if not uses_local_loop(run.built_method):
-        return (f"{run.method_label} trains its own way (one-shot or a head on a frozen encoder: Method.fit is "
-                "overridden), so it has no local step of the run's model to count")
-    if not any(len(c) for c in run.prepared.data.client_indices):
-        return "no client holds any training sample"
-    return None
+@FIGURES.register("flops", summary="FLOPs of one local training step of the method against FedAvg's")
+class StepFlops(Figure):
+    order = 50
 
+    def applies(self, run: AnalysisRun) -> Optional[str]:
+        if not uses_local_loop(run.built_method):
+            return (f"{run.method_label} trains its own way (one-shot or a head on a frozen encoder: Method.fit is "
+                    "overridden), so it has no local step of the run's model to count")
+        if not any(len(c) for c in run.prepared.data.client_indices):
+            return "no client holds any training sample"
+        return None
 
-def make(run: AnalysisRun, **_: Any) -> list:
-    method = run.method()
-    client = client_for_step(run)
-    data = run.ctx.data.client(client)
-    if not len(data):
-        client = next(cid for cid, c in enumerate(run.prepared.data.client_indices) if len(c))
+    def make(self, run: AnalysisRun, points: int, seed: int) -> list[Path]:
+        method = run.method()
+        client = client_for_step(run)
         data = run.ctx.data.client(client)
-    batch = data.indices[: run.config.train.batch_size]
-    total, per_op = measure(run, method, client, batch)
-    base_total, base_per_op = measure(run, FedAvg(NoParams(), run.ctx), client, batch)
-    numbers = {
-        "figure": "FLOPs of one local training step (local_loss forward + backward) against FedAvg's",
-        "run": str(run.run_dir), "method": run.method_label, "model": run.config.model.name,
-        "client": client, "batch_size": int(len(batch)),
-        "flops": total, "fedavg_flops": base_total, "ratio": total / base_total if base_total else None,
-        "per_op": per_op, "fedavg_per_op": base_per_op,
-        "counted": "matrix products, convolutions and attention of local_loss forward + backward and after_backward "
-                   "(torch.utils.flop_counter.FlopCounterMode); elementwise work, the optimiser step and begin_local "
-                   "(work done once per client and round, e.g. FedDifRC's condition refresh) are not counted; "
-                   "features a method caches once (diffusion features) are read, not recomputed, in a step",
-        "paper": PAPER,
-    }
-    png = save_png(draw(numbers), run.out_dir / "flops.png")
-    return [png, save_numbers(run.out_dir / "flops.json", numbers)]
+        if not len(data):
+            client = next(cid for cid, c in enumerate(run.prepared.data.client_indices) if len(c))
+            data = run.ctx.data.client(client)
+        batch = data.indices[: run.config.train.batch_size]
+        total, per_op = measure(run, method, client, batch)
+        base_total, base_per_op = measure(run, FedAvg(NoParams(), run.ctx), client, batch)
+        numbers = {
+            "figure": "FLOPs of one local training step (local_loss forward + backward) against FedAvg's",
+            "run": str(run.run_dir), "method": run.method_label, "model": run.config.model.name,
+            "client": client, "batch_size": int(len(batch)),
+            "flops": total, "fedavg_flops": base_total, "ratio": total / base_total if base_total else None,
+            "per_op": per_op, "fedavg_per_op": base_per_op,
+            "counted": "matrix products, convolutions and attention of local_loss forward + backward and after_backward "
+                       "(torch.utils.flop_counter.FlopCounterMode); elementwise work, the optimiser step and begin_local "
+                       "(work done once per client and round, e.g. FedDifRC's condition refresh) are not counted; "
+                       "features a method caches once (diffusion features) are read, not recomputed, in a step",
+            "paper": PAPER,
+        }
+        png = save_png(draw(numbers), run.out_dir / "flops.png")
+        return [png, save_numbers(run.out_dir / "flops.json", numbers)]
 
 
 def draw(numbers: dict):

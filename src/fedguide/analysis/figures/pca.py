@@ -20,21 +20,24 @@ Decisions
 """
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedguide.analysis.opened import AnalysisRun
+from fedguide.analysis.figure import FIGURES, Figure
 from fedguide.analysis.output import new_figure, save_numbers, save_png
-from fedguide.guidance.features import DiffusionFeatures
-from fedguide.guidance.fused import FusedFeatures, PCABasis
-from fedguide.guidance.shared import class_prompts, guidance_pixels
-from fedguide.methods.diffusion_guided._diffusion_features import prompt_maps
 from fedguide.methods.base import Method
 
-NAME = "pca"
+# The guidance modules are imported where they are used: 'fedguide --help' imports this module to list
+# its option, and only a diffusion-guided run needs them.
+if TYPE_CHECKING:
+    from fedguide.analysis.opened import AnalysisRun
+    from fedguide.guidance.features import DiffusionFeatures
+    from fedguide.guidance.fused import FusedFeatures
+
 IMAGES = 4
 CLUSTERS = 5  # FedDifRC Sec. 3.2: "cluster size set as 5"
 IMAGES_TAG = 0xD1F
@@ -43,6 +46,8 @@ FUSED = "fused"
 
 def feature_sets(method: Method) -> list[tuple[str, DiffusionFeatures]]:
     """(name, features) of every fitted DiffusionFeatures the set-up method (or its parts) holds."""
+    from fedguide.guidance.features import DiffusionFeatures
+
     holders = [method, *method.regularizers]
     out = []
     for holder in holders:
@@ -103,6 +108,8 @@ def kmeans_labels(maps: torch.Tensor, seed: int) -> tuple[np.ndarray, list[float
 def fused_map(recipe: FusedFeatures, maps: dict[str, torch.Tensor]) -> torch.Tensor:
     """Eq. 8 per position: each layer's channels through its fitted PCA, upsampled to the largest layer's
     resolution, concatenated: [B, d, H, W]."""
+    from fedguide.guidance.fused import PCABasis
+
     state = recipe.state_dict()
     size = max((maps[layer].shape[-2:] for layer in recipe.layers), key=lambda s: s[0] * s[1])
     parts = []
@@ -119,18 +126,13 @@ def layer_title(name: str) -> str:
     return name
 
 
-def applies(run: AnalysisRun) -> str | None:
-    if not any((run.run_dir / "guidance").glob("*.safetensors")):
-        return ("the run uses no diffusion features (no fitted feature bases in its guidance/ folder): only the "
-                "diffusion-guided methods (feddifrc, semanticfl) have them")
-    if not feature_sets(run.method()):
-        return "the run's method holds no fitted diffusion features once set up"
-    return None
-
-
 def analyse_set(run: AnalysisRun, feats: DiffusionFeatures, idx: np.ndarray, seed: int) -> dict[str, Any]:
     """The numbers of one feature set on the test images ``idx``: per column (layer, fused) its PCA-RGB and
     K-means maps."""
+    from fedguide.guidance.fused import FusedFeatures
+    from fedguide.guidance.shared import class_prompts, guidance_pixels
+    from fedguide.methods.diffusion_guided._diffusion_features import prompt_maps
+
     splits, spec = run.splits, feats.spec
     x = splits.test_x[torch.from_numpy(idx)]
     labels = splits.test_y[torch.from_numpy(idx)]
@@ -151,23 +153,39 @@ def analyse_set(run: AnalysisRun, feats: DiffusionFeatures, idx: np.ndarray, see
             "noise_seed": spec.noise_seed, "fused": FUSED in columns, "maps": out}
 
 
-def make(run: AnalysisRun, seed: int, **_: Any) -> list:
-    method = run.method()
-    splits = run.splits
-    idx = np.sort(pick_images(splits.test_y.numpy(), IMAGES, seed))
-    numbers: dict[str, Any] = {
-        "figure": "per-position diffusion features: PCA to RGB (FedDifRC Fig. 4) and K-means clusters (Fig. 3)",
-        "run": str(run.run_dir), "method": run.method_label, "seed": seed,
-        "guidance_model": run.config.guidance.model, "prompt": "a photo of a {true class} per image",
-        "images": [{"test_index": int(i), "label": int(splits.test_y[i])} for i in idx], "sets": {},
-    }
-    written = []
-    shown = ((guidance_pixels(splits, splits.test_x[torch.from_numpy(idx)]) + 1) / 2).clamp(0, 1)
-    for name, feats in feature_sets(method):
-        entry = numbers["sets"][name] = analyse_set(run, feats, idx, seed)
-        written.append(save_png(draw(entry, shown, name, "pca", numbers), run.out_dir / f"pca_{name}.png"))
-        written.append(save_png(draw(entry, shown, name, "kmeans", numbers), run.out_dir / f"kmeans_{name}.png"))
-    return written + [save_numbers(run.out_dir / "pca.json", numbers)]
+@FIGURES.register(
+    "pca",
+    summary="diffusion-guided runs: PCA-as-RGB and K-means maps of the diffusion features of a few test images")
+class DiffusionMaps(Figure):
+    order = 20
+
+    def applies(self, run: AnalysisRun) -> Optional[str]:
+        if not any((run.run_dir / "guidance").glob("*.safetensors")):
+            return ("the run uses no diffusion features (no fitted feature bases in its guidance/ folder): only the "
+                    "diffusion-guided methods (feddifrc, semanticfl) have them")
+        if not feature_sets(run.method()):
+            return "the run's method holds no fitted diffusion features once set up"
+        return None
+
+    def make(self, run: AnalysisRun, points: int, seed: int) -> list[Path]:
+        from fedguide.guidance.shared import guidance_pixels
+
+        method = run.method()
+        splits = run.splits
+        idx = np.sort(pick_images(splits.test_y.numpy(), IMAGES, seed))
+        numbers: dict[str, Any] = {
+            "figure": "per-position diffusion features: PCA to RGB (FedDifRC Fig. 4) and K-means clusters (Fig. 3)",
+            "run": str(run.run_dir), "method": run.method_label, "seed": seed,
+            "guidance_model": run.config.guidance.model, "prompt": "a photo of a {true class} per image",
+            "images": [{"test_index": int(i), "label": int(splits.test_y[i])} for i in idx], "sets": {},
+        }
+        written = []
+        shown = ((guidance_pixels(splits, splits.test_x[torch.from_numpy(idx)]) + 1) / 2).clamp(0, 1)
+        for name, feats in feature_sets(method):
+            entry = numbers["sets"][name] = analyse_set(run, feats, idx, seed)
+            written.append(save_png(draw(entry, shown, name, "pca", numbers), run.out_dir / f"pca_{name}.png"))
+            written.append(save_png(draw(entry, shown, name, "kmeans", numbers), run.out_dir / f"kmeans_{name}.png"))
+        return written + [save_numbers(run.out_dir / "pca.json", numbers)]
 
 
 def draw(entry: dict, images: torch.Tensor, name: str, kind: str, numbers: dict):

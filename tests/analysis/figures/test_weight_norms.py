@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from fedguide.analysis import analyze
+from fedguide.analysis.figures.weight_norms import rank_correlation, row_norms
 from fedguide.analysis.opened import AnalysisRun
-from fedguide.analysis.weight_norms import rank_correlation, row_norms
 from fedguide.core.state import ClientStateStore
 
 

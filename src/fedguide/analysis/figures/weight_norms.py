@@ -12,15 +12,18 @@ What is measured
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 
-from fedguide.analysis.opened import AnalysisRun
+from fedguide.analysis.figure import FIGURES, Figure
 from fedguide.analysis.output import new_figure, save_numbers, save_png
 
-NAME = "weight_norms"
+if TYPE_CHECKING:
+    from fedguide.analysis.opened import AnalysisRun
+
 # Keys of client state holding the client's own last local model as a flat weight vector.
 CLIENT_MODEL_KEYS = ("weights", "prev_weights")
 
@@ -71,38 +74,43 @@ def head_of(run: AnalysisRun, weights: torch.Tensor) -> torch.Tensor:
     return model.head.weight.detach().float()
 
 
-def applies(run: AnalysisRun) -> str | None:
-    if run.head_weight() is None:
-        return (f"the model's head is not one linear layer with a row per class (model '{run.config.model.name}'), "
-                "so there are no per-class weight rows")
-    if not run.trained and not client_models(run):
-        return run.untrained_reason + ", and the run folder keeps no client models"
-    return None
+@FIGURES.register(
+    "weight_norms",
+    summary="norm of each class's classifier row against the class's share of the data (global, clients)")
+class WeightNorms(Figure):
+    order = 30
 
+    def applies(self, run: AnalysisRun) -> Optional[str]:
+        if run.head_weight() is None:
+            return (f"the model's head is not one linear layer with a row per class (model '{run.config.model.name}'), "
+                    "so there are no per-class weight rows")
+        if not run.trained and not client_models(run):
+            return run.untrained_reason + ", and the run folder keeps no client models"
+        return None
 
-def make(run: AnalysisRun, **_: Any) -> list:
-    counts = run.class_counts()
-    numbers: dict[str, Any] = {
-        "figure": "‖ω_c‖ of each class's classification-layer row against the class's share of the data (FedDW Fig. 4)",
-        "run": str(run.run_dir), "method": run.method_label, "class_names": run.class_names,
-        "used": [], "global": None, "clients": [],
-    }
-    if run.trained:
-        numbers["global"] = model_entry(run.head_weight(), counts.sum(axis=0))
-        numbers["used"].append("the final global head (model.safetensors) against the class shares of all clients' "
-                               "training data (partition.json counts)")
-    stored = client_models(run)
-    for cid, key, weights in stored:
-        numbers["clients"].append({"client": cid, "state_key": key, **model_entry(head_of(run, weights), counts[cid])})
-    if stored:
-        numbers["used"].append(f"{len(stored)} client models: each client's last local model as its state keeps it "
-                               f"(client_state, key {' or '.join(sorted({k for _, k, _ in stored}))}) against that "
-                               "client's own class shares")
-    else:
-        numbers["used"].append("no client models: the run folder keeps none (only methods that hold a client's "
-                               "last model in its state do)")
-    png = save_png(draw(numbers), run.out_dir / "weight_norms.png")
-    return [png, save_numbers(run.out_dir / "weight_norms.json", numbers)]
+    def make(self, run: AnalysisRun, points: int, seed: int) -> list[Path]:
+        counts = run.class_counts()
+        numbers: dict[str, Any] = {
+            "figure": "‖ω_c‖ of each class's classification-layer row against the class's share of the data (FedDW Fig. 4)",
+            "run": str(run.run_dir), "method": run.method_label, "class_names": run.class_names,
+            "used": [], "global": None, "clients": [],
+        }
+        if run.trained:
+            numbers["global"] = model_entry(run.head_weight(), counts.sum(axis=0))
+            numbers["used"].append("the final global head (model.safetensors) against the class shares of all clients' "
+                                   "training data (partition.json counts)")
+        stored = client_models(run)
+        for cid, key, weights in stored:
+            numbers["clients"].append({"client": cid, "state_key": key, **model_entry(head_of(run, weights), counts[cid])})
+        if stored:
+            numbers["used"].append(f"{len(stored)} client models: each client's last local model as its state keeps it "
+                                   f"(client_state, key {' or '.join(sorted({k for _, k, _ in stored}))}) against that "
+                                   "client's own class shares")
+        else:
+            numbers["used"].append("no client models: the run folder keeps none (only methods that hold a client's "
+                                   "last model in its state do)")
+        png = save_png(draw(numbers), run.out_dir / "weight_norms.png")
+        return [png, save_numbers(run.out_dir / "weight_norms.json", numbers)]
 
 
 def draw(numbers: dict):

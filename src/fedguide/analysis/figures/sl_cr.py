@@ -13,16 +13,19 @@ A run that carried FedDW's regulariser also has the server's own aggregated SL m
 """
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 
-from fedguide.analysis.opened import AnalysisRun
+from fedguide.analysis.figure import FIGURES, Figure
 from fedguide.analysis.output import new_figure, save_numbers, save_png
 from fedguide.methods.classic.feddw import class_relation, dw_loss, soft_label_matrix
 
-NAME = "sl_cr"
+if TYPE_CHECKING:
+    from fedguide.analysis.opened import AnalysisRun
+
 STATE_KEY = "dw.sl"  # the dw regulariser's server state in a checkpoint
 
 
@@ -31,37 +34,40 @@ def soft_labels(logits: torch.Tensor, labels: torch.Tensor, num_classes: int) ->
     return soft_label_matrix(torch.softmax(logits.double(), dim=1), labels.long(), num_classes)
 
 
-def applies(run: AnalysisRun) -> str | None:
-    if not run.trained:
-        return run.untrained_reason
-    if run.head_weight() is None:
-        return (f"the model's head is not one linear layer with a row per class (model '{run.config.model.name}'), "
-                "so there is no class-relation matrix ωωᵀ")
-    return None
+@FIGURES.register("sl_cr", summary="FedDW's soft-label and class-relation matrices of the final model")
+class SoftLabelsClassRelations(Figure):
+    order = 40
 
+    def applies(self, run: AnalysisRun) -> Optional[str]:
+        if not run.trained:
+            return run.untrained_reason
+        if run.head_weight() is None:
+            return (f"the model's head is not one linear layer with a row per class (model '{run.config.model.name}'), "
+                    "so there is no class-relation matrix ωωᵀ")
+        return None
 
-def make(run: AnalysisRun, **_: Any) -> list:
-    samples = run.client_samples()
-    index = torch.from_numpy(samples)
-    _, logits = run.outputs(run.splits.train_x[index])
-    c = run.splits.num_classes
-    sl, counts = soft_labels(logits, run.splits.train_y[index], c)
-    omega = run.head_weight().double()
-    cr = class_relation(omega)
-    numbers: dict[str, Any] = {
-        "figure": "FedDW's soft-label matrix Ω (Eq. 4/7) and class relations softmax(ωωᵀ) of the final model (FedDW Fig. 8)",
-        "run": str(run.run_dir), "method": run.method_label, "class_names": run.class_names,
-        "samples": int(len(samples)), "class_counts": counts,
-        "sl": sl, "cr": cr, "l_reg": float(dw_loss(sl, omega)),
-        "head_bias_ignored": getattr(run.model.head, "bias", None) is not None,
-        "absent_classes": [i for i in range(c) if int(counts[i]) == 0],  # their SL rows are zero
-    }
-    stored = (run.checkpoint.method_state if run.checkpoint is not None else {}).get(STATE_KEY)
-    if stored is not None:
-        numbers["sl_server"] = stored.double()
-        numbers["l_reg_server"] = float(dw_loss(stored.double(), omega))
-    png = save_png(draw(numbers), run.out_dir / "sl_cr.png")
-    return [png, save_numbers(run.out_dir / "sl_cr.json", numbers)]
+    def make(self, run: AnalysisRun, points: int, seed: int) -> list[Path]:
+        samples = run.client_samples()
+        index = torch.from_numpy(samples)
+        _, logits = run.outputs(run.splits.train_x[index])
+        c = run.splits.num_classes
+        sl, counts = soft_labels(logits, run.splits.train_y[index], c)
+        omega = run.head_weight().double()
+        cr = class_relation(omega)
+        numbers: dict[str, Any] = {
+            "figure": "FedDW's soft-label matrix Ω (Eq. 4/7) and class relations softmax(ωωᵀ) of the final model (FedDW Fig. 8)",
+            "run": str(run.run_dir), "method": run.method_label, "class_names": run.class_names,
+            "samples": int(len(samples)), "class_counts": counts,
+            "sl": sl, "cr": cr, "l_reg": float(dw_loss(sl, omega)),
+            "head_bias_ignored": getattr(run.model.head, "bias", None) is not None,
+            "absent_classes": [i for i in range(c) if int(counts[i]) == 0],  # their SL rows are zero
+        }
+        stored = (run.checkpoint.method_state if run.checkpoint is not None else {}).get(STATE_KEY)
+        if stored is not None:
+            numbers["sl_server"] = stored.double()
+            numbers["l_reg_server"] = float(dw_loss(stored.double(), omega))
+        png = save_png(draw(numbers), run.out_dir / "sl_cr.png")
+        return [png, save_numbers(run.out_dir / "sl_cr.json", numbers)]
 
 
 def draw(numbers: dict):

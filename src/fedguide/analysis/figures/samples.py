@@ -15,16 +15,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedguide.analysis.opened import AnalysisRun
+from fedguide.analysis.figure import FIGURES, Figure
 from fedguide.analysis.output import new_figure, save_numbers, save_png
 
-NAME = "samples"
+if TYPE_CHECKING:
+    from fedguide.analysis.opened import AnalysisRun
+
 PER_SIDE = 6
 MAX_ROWS = 12
 TILE = 96  # at most this many pixels a side per image in the figure
@@ -109,40 +111,45 @@ def originals(run: AnalysisRun, client: int, label: int, count: int, seed: int) 
     return np.sort(rng.choice(pool, size=min(count, len(pool)), replace=False)), source
 
 
-def applies(run: AnalysisRun) -> str | None:
-    if generated_images(run.run_dir) is None:
-        return ("the run folder holds no generated images (a synthetic/ set or feddisc_samples.safetensors): only "
-                "the one-shot generating methods (fedcado, sd_gen, feddisc) keep them")
-    if run.splits.pixel_stats is None or len(run.splits.input_shape) != 3:
-        return "the dataset's images cannot be shown (its source declares no pixel statistics)"
-    return None
+@FIGURES.register(
+    "samples",
+    summary="one-shot generating runs: generated images beside client originals of the same class")
+class GeneratedSamples(Figure):
+    order = 60
 
+    def applies(self, run: AnalysisRun) -> Optional[str]:
+        if generated_images(run.run_dir) is None:
+            return ("the run folder holds no generated images (a synthetic/ set or feddisc_samples.safetensors): only "
+                    "the one-shot generating methods (fedcado, sd_gen, feddisc) keep them")
+        if run.splits.pixel_stats is None or len(run.splits.input_shape) != 3:
+            return "the dataset's images cannot be shown (its source declares no pixel statistics)"
+        return None
 
-def make(run: AnalysisRun, seed: int, **_: Any) -> list:
-    generated = generated_images(run.run_dir)
-    height, width = (int(s) for s in generated.images.shape[-2:])
-    scale = min(1.0, TILE / max(height, width))
-    tile = (max(1, round(height * scale)), max(1, round(width * scale)))
-    rows, sheet_rows = [], []
-    names = run.class_names
-    for client, label in row_pairs(generated, MAX_ROWS):
-        members = torch.nonzero((generated.clients == client) & (generated.labels == label)).flatten()
-        shown = generated.images[members[:PER_SIDE]]
-        idx, source = originals(run, client, label, PER_SIDE, seed)
-        own = unit_rgb(run.splits.unit_images(run.splits.train_x[torch.from_numpy(idx)].float()))
-        rows.append({"client": client, "class": label, "class_name": str(names[label]),
-                     "generated_of_pair": int(len(members)), "generated_shown": int(len(shown)),
-                     "original_indices": idx, "originals_from": source})
-        sheet_rows.append((fit_tiles(shown, tile), fit_tiles(own, tile)))
-    numbers = {
-        "figure": "generated images beside client originals of the same class (FedCADO Figs. 7-10, FedDISC Fig. 6)",
-        "run": str(run.run_dir), "method": run.method_label, "sources": generated.sources,
-        "generated_total": int(len(generated.labels)), "image_size": [height, width], "seed": seed,
-        "originals": "training images of the row's client and class (true labels), drawn with the analysis seed",
-        "rows": rows,
-    }
-    png = save_png(draw(numbers, sheet_rows, tile), run.out_dir / "samples.png")
-    return [png, save_numbers(run.out_dir / "samples.json", numbers)]
+    def make(self, run: AnalysisRun, points: int, seed: int) -> list[Path]:
+        generated = generated_images(run.run_dir)
+        height, width = (int(s) for s in generated.images.shape[-2:])
+        scale = min(1.0, TILE / max(height, width))
+        tile = (max(1, round(height * scale)), max(1, round(width * scale)))
+        rows, sheet_rows = [], []
+        names = run.class_names
+        for client, label in row_pairs(generated, MAX_ROWS):
+            members = torch.nonzero((generated.clients == client) & (generated.labels == label)).flatten()
+            shown = generated.images[members[:PER_SIDE]]
+            idx, source = originals(run, client, label, PER_SIDE, seed)
+            own = unit_rgb(run.splits.unit_images(run.splits.train_x[torch.from_numpy(idx)].float()))
+            rows.append({"client": client, "class": label, "class_name": str(names[label]),
+                         "generated_of_pair": int(len(members)), "generated_shown": int(len(shown)),
+                         "original_indices": idx, "originals_from": source})
+            sheet_rows.append((fit_tiles(shown, tile), fit_tiles(own, tile)))
+        numbers = {
+            "figure": "generated images beside client originals of the same class (FedCADO Figs. 7-10, FedDISC Fig. 6)",
+            "run": str(run.run_dir), "method": run.method_label, "sources": generated.sources,
+            "generated_total": int(len(generated.labels)), "image_size": [height, width], "seed": seed,
+            "originals": "training images of the row's client and class (true labels), drawn with the analysis seed",
+            "rows": rows,
+        }
+        png = save_png(draw(numbers, sheet_rows, tile), run.out_dir / "samples.png")
+        return [png, save_numbers(run.out_dir / "samples.json", numbers)]
 
 
 def sheet(sheet_rows: list[tuple[torch.Tensor, torch.Tensor]], tile: tuple[int, int], gap: int = 2
