@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from fedguide.fl.flower.processes import free_port, stop_tree  # noqa: E402
+from fedguide.fl.runtimes.flower.processes import free_port, stop_tree  # noqa: E402
 
 CONFIG = REPO / "configs/fmnist_dir0.1.yaml"
 WORKLOAD = ["data.fraction=0.1", "model.name=mlp", "clients.num=3", "clients.per_round=3", "runtime.threads_per_worker=1"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedguide.extras import EXTRAS, require_extras
-from fedguide.fl.runtimes.base import RUNTIMES
+from fedguide.fl.runtime import RUNTIMES
 from fedguide.methods import METHODS
 from fedguide.registry import ConfigError
 from tests.tiny import GUIDED_METHODS

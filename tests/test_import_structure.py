@@ -118,7 +118,7 @@ def test_no_method_imports_the_engine(graph):
 
 
 def test_the_engine_names_no_runtime():
-    from fedguide.fl.runtimes.base import RUNTIMES
+    from fedguide.fl.runtime import RUNTIMES
 
     text = (SRC / "fl" / "engine.py").read_text()
     assert RUNTIMES.names() and not [n for n in RUNTIMES.names() if f'"{n}"' in text or f"'{n}'" in text]

@@ -128,7 +128,7 @@ def _execute(prepared: Any, folder: Any, resume: bool, observer: Observer, hint:
     """Run or resume ``prepared`` in ``folder``; an interruption or a crashed worker says how to go on
     (``hint``: instead of continuing this folder, e.g. a sweep's)."""
     from fedguide.fl.engine import Experiment
-    from fedguide.fl.runtimes.base import WorkerCrashed
+    from fedguide.fl.runtime import WorkerCrashed
 
     try:
         with observer.showing() as display:

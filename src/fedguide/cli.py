@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from fedguide.fl.runtimes.base import RUNTIMES, WorkerCrashed
+from fedguide.fl.runtime import RUNTIMES, WorkerCrashed
 from fedguide.registry import ConfigError
 
 
@@ -101,7 +101,7 @@ def cmd_serve(args) -> int:
     from fedguide.api import default_run_dir, final_line
     from fedguide.config import load_config
     from fedguide.fl.run_folder import RunFolder
-    from fedguide.fl.flower.deploy import serve
+    from fedguide.fl.runtimes.flower.server import serve
     from fedguide.fl.setup import resolve
 
     console = _console()
@@ -132,7 +132,7 @@ def cmd_serve(args) -> int:
 
 def cmd_client(args) -> int:
     from fedguide.config import load_config
-    from fedguide.fl.flower.node import run_client_node
+    from fedguide.fl.runtimes.flower.node import run_client_node
     from fedguide.fl.setup import resolve
 
     console = _console()

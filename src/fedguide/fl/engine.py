@@ -22,7 +22,7 @@ from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedguide.fl.evaluation import personal_summary, personal_test_record, round_evaluation
 from fedguide.fl.loggers import MetricLoggers, check_available, open_loggers
 from fedguide.fl.run_folder import RunFolder, pinned_config
-from fedguide.fl.runtimes.base import Executor, RunHandle, Runtime, runtime_of
+from fedguide.fl.runtime import Executor, RunHandle, Runtime, runtime_of
 from fedguide.data.device_data import SHARED_DECISION
 from fedguide.fl.setup import Prepared, client_processes_on_device, open_run
 from fedguide.methods import Method, RunContext

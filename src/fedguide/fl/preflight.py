@@ -13,7 +13,7 @@ from typing import Optional
 
 from fedguide.config import Config
 from fedguide.fl.loggers import check_available
-from fedguide.fl.runtimes.base import RUNTIMES
+from fedguide.fl.runtime import RUNTIMES
 from fedguide.fl.setup import Prepared, open_run, prepare
 from fedguide.registry import ConfigError
 

@@ -29,7 +29,7 @@ from fedguide.data.partition import PARTITIONS
 from fedguide.data.scenarios import make_scenario
 from fedguide.data.sources import DATASETS
 from fedguide.extras import require_extras
-from fedguide.fl.runtimes.base import RUNTIMES
+from fedguide.fl.runtime import RUNTIMES
 from fedguide.methods import METHODS, Method, RunContext
 from fedguide.methods.compose import REGULARIZERS, Hooks, build_regularizers, with_regularizers
 from fedguide.models import MODELS, build_model

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedguide.core.device import is_gpu_like, to_cpu
 from fedguide.core.records import Record
 from fedguide.fl.client_step import ClientResult, run_client
-from fedguide.fl.runtimes.base import DEFAULT_THREADS, RUNTIMES, Executor, RunHandle, Runtime, WorkerCrashed
+from fedguide.fl.runtime import DEFAULT_THREADS, RUNTIMES, Executor, RunHandle, Runtime, WorkerCrashed
 from fedguide.fl.setup import open_run
 
 GLOBAL = "__fedguide_global_weights__"  # stands for the shared global-weights buffer in a payload

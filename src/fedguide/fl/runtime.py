@@ -1,10 +1,13 @@
-"""Runtimes: where the clients of a run train. A registry like the methods', one module per runtime.
+"""The runtime interface: where the clients of a run train. A registry like the methods'.
 
 A runtime is a ``Runtime`` subclass registered in ``RUNTIMES`` under the name ``runtime.name`` gives;
 its ``Params`` validate the rest of the ``runtime:`` section, as a method's validate ``method:``. The
 engine asks it for the processes and threads it will use (``resources``), then, once the server's
 method is set up, for an ``Executor`` (``start``), and from then on only calls the executor. So the
-engine never names a runtime, and a new runtime is one new module in this package.
+engine never names a runtime, and a new runtime is one new module in ``fl/runtimes/``.
+
+This module is the bottom of fl/: the engine, the set-up and the runtimes import it, and it imports
+nothing of fl/ but ``client_step`` (what an executor returns).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from fedguide.core.records import Record
 from fedguide.fl.client_step import ClientResult
 from fedguide.registry import NoParams, Registry
 
-# Every module of this package registers its runtime here; they are imported at the first lookup.
+# Every public module below fl/runtimes/ registers its runtime here; they are imported at the first lookup.
 RUNTIMES: Registry = Registry("runtime", plugins=("fedguide.fl.runtimes",))
 
 # torch's own choice at start-up, so a run asking for "the default" gets it even after an earlier run

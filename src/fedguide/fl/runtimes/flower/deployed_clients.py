@@ -32,10 +32,10 @@ import torch
 from fedguide.config import Config
 from fedguide.core.records import Record
 from fedguide.fl.client_step import ClientResult
-from fedguide.fl.flower.messages import FlowerClientFailed, FlowerRuntimeFailed, decode_result, error_reason
-from fedguide.fl.flower.protocol import comparable, differences, fingerprint, run_key
-from fedguide.fl.flower.records import decode, encode
-from fedguide.fl.runtimes.base import Executor
+from fedguide.fl.runtime import Executor
+from fedguide.fl.runtimes.flower.messages import FlowerClientFailed, FlowerRuntimeFailed, decode_result, error_reason
+from fedguide.fl.runtimes.flower.protocol import comparable, differences, fingerprint, run_key
+from fedguide.fl.runtimes.flower.records import decode, encode
 from fedguide.registry import ConfigError
 
 POLL_MIN_S, POLL_MAX_S = 0.01, 0.1

@@ -39,6 +39,7 @@ Decisions:
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -53,13 +54,14 @@ import torch
 
 from fedguide.config import Config, load_config, to_yaml
 from fedguide.core.atomic import write_text
-from fedguide.fl.flower.messages import FlowerRuntimeFailed, train_reply
-from fedguide.fl.flower.processes import (FLOWER_ENV, address_host, flower_command, flower_env, free_port, is_loopback,
-                                          log_tail, start, stop_tree)
-from fedguide.fl.flower.protocol import APP_NAME, APP_PUBLISHER, comparable, fingerprint
-from fedguide.fl.flower.records import encode
 from fedguide.core.state import ClientStateStore
-from fedguide.fl.runtimes.base import DEFAULT_THREADS
+from fedguide.fl.runtime import DEFAULT_THREADS
+from fedguide.fl.runtimes.flower.messages import FlowerRuntimeFailed, train_reply
+from fedguide.fl.runtimes.flower.processes import (FLOWER_ENV, flower_command, flower_env, free_port, log_tail, start,
+                                                   stop_tree)
+from fedguide.fl.runtimes.flower.protocol import APP_NAME, APP_PUBLISHER, comparable, fingerprint
+from fedguide.fl.runtimes.flower.records import encode
+from fedguide.fl.runtimes.flower.security import Security, check_connection
 from fedguide.fl.setup import open_run, prepare
 from fedguide.registry import ConfigError
 
@@ -175,7 +177,9 @@ def client_query(msg, context):
     return Message(RecordDict(reply), reply_to=msg)
 
 
-def _client_app():
+@functools.cache
+def flower_client_app():
+    """The ClientApp of fedguide's clients, built once per process; _client_app.py names it for Flower."""
     for key, value in FLOWER_ENV.items():
         os.environ.setdefault(key, value)
     from flwr.clientapp import ClientApp
@@ -184,9 +188,6 @@ def _client_app():
     app.train()(client_train)
     app.query()(client_query)
     return app
-
-
-client_app = _client_app()  # named in the Flower app's pyproject.toml (clientapp = "...node:client_app")
 
 
 # ---- the long-lived executor --------------------------------------------------------------------
@@ -228,7 +229,7 @@ def answer(message, context):
     from flwr.common.constant import ErrorCode
 
     try:
-        return client_app(message=message, context=context), ""
+        return flower_client_app()(message=message, context=context), ""
     except Exception as err:
         reason = f"{type(err).__name__}: {err}"
         print(f"{message.metadata.message_type} message failed: {reason}\n{traceback.format_exc()}", flush=True)
@@ -339,37 +340,13 @@ def node_config_toml(values: dict[str, Any]) -> str:
     return tomli_w.dumps(values)
 
 
-def check_connection(address: str, tls, insecure: bool) -> None:
-    """Refuse plain HTTP to a SuperLink on another machine unless ``--insecure`` says so."""
-    if insecure and tls is not None:
-        raise ConfigError("--insecure and runtime.tls contradict each other: drop --insecure to connect over TLS, "
-                          "or remove runtime.tls")
-    if tls is None and not insecure and not is_loopback(address_host(address)):
-        raise ConfigError(f"the SuperLink {address} is on another machine: set runtime.tls.ca to the CA certificate "
-                          "that signed its certificate (and runtime.auth.private_key to this client's key if the "
-                          "server authenticates clients), or pass --insecure to connect over plain HTTP on a "
-                          "network you trust")
-
-
-class Security:
-    """How this client's SuperNodes reach the SuperLink: TLS (the CA's certificate) and the key they
-    authenticate with, or plain HTTP."""
-
-    def __init__(self, ca: Optional[Path] = None, private_key: Optional[Path] = None):
-        self.ca, self.private_key = ca, private_key
-
-    def args(self) -> list[str]:
-        out = ["--root-certificates", str(self.ca)] if self.ca else ["--insecure"]
-        return out + (["--auth-supernode-private-key", str(self.private_key)] if self.private_key else [])
-
-
 def run_client_node(cfg: Config, partition_id: int, folder: Path, superlink: Optional[str] = None,
                     log: Callable[[str], None] = print, insecure: bool = False) -> None:
     """Start this machine's SuperNode for client ``partition_id`` and serve it until interrupted; a
     SuperNode that stops is replaced. Raises FlowerRuntimeFailed when one stops right after starting,
     or when the SuperLink refuses this client for ``runtime.connect_timeout`` seconds.
     """
-    from fedguide.fl.runtimes.flower import flower_params
+    from fedguide.fl.runtimes.flower.deployment import flower_params
 
     if not 0 <= partition_id < cfg.clients.num:
         raise ConfigError(f"--partition-id {partition_id} is outside 0..{cfg.clients.num - 1} "

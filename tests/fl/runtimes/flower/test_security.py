@@ -26,13 +26,13 @@ from tests.tiny import run_tiny, tiny_config, tiny_raw
 
 pytest.importorskip("flwr")
 
-from fedguide.fl.flower import deploy, node as client_side  # noqa: E402
-from fedguide.fl.flower.messages import FlowerRuntimeFailed  # noqa: E402
-from fedguide.fl.flower.protocol import fingerprint  # noqa: E402
-from fedguide.fl.flower.processes import (LocalControl, alive, command_line, descendants, free_port,  # noqa: E402
-                                          stop_tree)
-from fedguide.fl.runtimes.flower import flower_params  # noqa: E402
-from tests.fl.test_flower_deploy import FLOWER, deployed_rows, read_rows, start_client  # noqa: E402
+from fedguide.fl.runtimes.flower import node as client_side, security, server  # noqa: E402
+from fedguide.fl.runtimes.flower.deployment import flower_params  # noqa: E402
+from fedguide.fl.runtimes.flower.messages import FlowerRuntimeFailed  # noqa: E402
+from fedguide.fl.runtimes.flower.processes import (LocalControl, alive, command_line, descendants,  # noqa: E402
+                                                   free_port, stop_tree)
+from fedguide.fl.runtimes.flower.protocol import fingerprint  # noqa: E402
+from tests.fl.runtimes.flower.test_deployment import FLOWER, deployed_rows, read_rows, start_client  # noqa: E402
 
 
 # ---- certificates and keys ------------------------------------------------------------------------
@@ -140,20 +140,20 @@ def test_tls_and_auth_files_are_checked_with_the_fix_named(tmp_path, tls, monkey
 def test_serve_beyond_loopback_needs_tls_or_an_explicit_insecure(tmp_path, tls, capsys):
     cfg = resolve(tiny_config(runtime=FLOWER)).config
     with pytest.raises(ConfigError, match=r"--host 0.0.0.0 .*runtime.tls.*--insecure"):
-        deploy.serve(tmp_path / "run", cfg, host="0.0.0.0")
+        server.serve(tmp_path / "run", cfg, host="0.0.0.0")
     assert not (tmp_path / "run").exists(), "refused before anything started"
 
-    assert deploy.check_exposure("127.0.0.1", None, False) is None
-    assert deploy.check_exposure("localhost", None, False) is None
-    assert deploy.check_exposure("::1", None, False) is None
+    assert security.check_exposure("127.0.0.1", None, False) is None
+    assert security.check_exposure("localhost", None, False) is None
+    assert security.check_exposure("::1", None, False) is None
     for host in ("0.0.0.0", "::", "192.168.1.5", "server.lan"):
         with pytest.raises(ConfigError, match="runtime.tls"):
-            deploy.check_exposure(host, None, False)
-        assert "warning: --insecure" in deploy.check_exposure(host, None, True)
+            security.check_exposure(host, None, False)
+        assert "warning: --insecure" in security.check_exposure(host, None, True)
     tls_params = flower_params(resolve(tiny_config(runtime={**FLOWER, "tls": tls})).config).tls
-    assert deploy.check_exposure("0.0.0.0", tls_params, False) is None
+    assert security.check_exposure("0.0.0.0", tls_params, False) is None
     with pytest.raises(ConfigError, match="--insecure and runtime.tls contradict"):
-        deploy.check_exposure("0.0.0.0", tls_params, True)
+        security.check_exposure("0.0.0.0", tls_params, True)
 
     from fedguide.cli import main
 
@@ -173,11 +173,11 @@ def test_a_client_needs_tls_or_insecure_for_a_superlink_on_another_machine(tmp_p
     with pytest.raises(ConfigError, match="--insecure and runtime.tls contradict"):
         client_side.run_client_node(tls_cfg, 0, tmp_path / "c", superlink="10.1.2.3:9092", insecure=True)
     assert started == [] and not (tmp_path / "c").exists()
-    client_side.check_connection("10.1.2.3:9092", None, insecure=True)  # explicitly allowed
-    client_side.check_connection("127.0.0.1:9092", None, insecure=False)
-    client_side.check_connection("[::1]:9092", None, insecure=False)
-    assert client_side.Security().args() == ["--insecure"]
-    assert client_side.Security(Path("ca.crt"), Path("k")).args() == [
+    security.check_connection("10.1.2.3:9092", None, insecure=True)  # explicitly allowed
+    security.check_connection("127.0.0.1:9092", None, insecure=False)
+    security.check_connection("[::1]:9092", None, insecure=False)
+    assert security.Security().args() == ["--insecure"]
+    assert security.Security(Path("ca.crt"), Path("k")).args() == [
         "--root-certificates", "ca.crt", "--auth-supernode-private-key", "k"]
 
 
@@ -212,14 +212,14 @@ def test_serve_checks_that_its_certificate_names_where_it_reaches_the_superlink(
     port, thread = served(public_only)
     with pytest.raises(ConfigError, match=r"not valid for '127.0.0.1'. It must be signed by that CA and name 127.0.0.1 "
                                           r"\(subjectAltName IP:127.0.0.1"):
-        deploy.check_certificate("127.0.0.1", port, params(public_only))
+        security.check_certificate("127.0.0.1", port, params(public_only))
     thread.join(10)
     port, thread = served(tls)
     with pytest.raises(ConfigError, match="unable to get local issuer certificate"):
-        deploy.check_certificate("127.0.0.1", port, params({**tls, "ca": public_only["ca"]}))
+        security.check_certificate("127.0.0.1", port, params({**tls, "ca": public_only["ca"]}))
     thread.join(10)
     port, thread = served(tls)
-    deploy.check_certificate("127.0.0.1", port, params(tls))
+    security.check_certificate("127.0.0.1", port, params(tls))
     thread.join(10)
 
 
@@ -342,9 +342,9 @@ def test_a_run_over_tls_on_localhost_matches_the_local_run(tmp_path, tls):
     t0 = time.time()
     try:
         clients = [start_client(tmp_path, cid, tmp_path / "client.yaml", []) for cid in range(2)]
-        link = deploy.SuperLink(tmp_path / "link", port, tls=flower_params(cfg).tls)
+        link = server.SuperLink(tmp_path / "link", port, tls=flower_params(cfg).tls)
         lines: list[str] = []
-        summary = deploy.start_run(link, tmp_path / "run", cfg, resume=False, log=lines.append)
+        summary = server.start_run(link, tmp_path / "run", cfg, resume=False, log=lines.append)
         rows = read_rows(tmp_path / "run")
         assert deployed_rows(rows) == deployed_rows(local_rows)
         assert summary["client_failures"] == [] and len(summary["accuracy_curve"]) == 2
@@ -381,7 +381,7 @@ def test_with_authentication_only_registered_clients_join(tmp_path, tls):
     link, lines = None, []
     try:
         t0 = time.time()
-        link = deploy.open_superlink(cfg, tmp_path / "run" / "flower", log=lines.append)
+        link = server.open_superlink(cfg, tmp_path / "run" / "flower", log=lines.append)
         assert any("TLS, 2 SuperNode keys admitted" in line for line in lines), lines
         intruder = start_client(tmp_path, 7, tmp_path / "client.yaml",
                                 [f"runtime.auth.private_key={intruder_key}", "runtime.connect_timeout=4",
@@ -399,7 +399,7 @@ def test_with_authentication_only_registered_clients_join(tmp_path, tls):
         assert "[code: 2004]" in (tmp_path / "client-7" / "supernode.log").read_text()
         print(f"refusals seen: {time.time() - t0:.1f} s")
 
-        summary = deploy.start_run(link, tmp_path / "run", cfg, resume=False, log=lines.append)
+        summary = server.start_run(link, tmp_path / "run", cfg, resume=False, log=lines.append)
         assert summary["client_failures"] == [] and len(summary["accuracy_curve"]) == 1
         print(f"authenticated run: {time.time() - t0:.1f} s")
         server_log = (tmp_path / "run" / "flower" / "superlink.log").read_text()

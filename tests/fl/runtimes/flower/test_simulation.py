@@ -13,11 +13,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from fedguide.fl.runtimes.flower_sim import FlowerSimParams
-from fedguide.fl.flower.records import decode, encode
 from fedguide.fl.client_step import ClientResult
-from fedguide.fl.flower.sim import (FlowerClientFailed, FlowerClients, actors_and_threads, descendants,
-                                    results_in_job_order)
+from fedguide.fl.runtimes.flower.records import decode, encode
+from fedguide.fl.runtimes.flower.simulated_clients import (FlowerClientFailed, FlowerClients, actors_and_threads,
+                                                           descendants, results_in_job_order)
+from fedguide.fl.runtimes.flower.simulation import FlowerSimParams
 from tests.tiny import run_tiny, tiny_config, tiny_raw, without_timing
 
 pytest.importorskip("flwr")
@@ -122,7 +122,7 @@ def ray_like(pids) -> list[int]:
 @pytest.mark.e2e
 @pytest.mark.parametrize("method", [{"name": "fedavg"}, {"name": "fedprox", "mu": 0.01}, {"name": "scaffold"}])
 def test_flower_sim_matches_local_runtime(tmp_path, monkeypatch, method):
-    import fedguide.fl.runtimes.flower_sim as flower
+    import fedguide.fl.runtimes.flower.simulation as simulation
 
     started = []
 
@@ -131,7 +131,7 @@ def test_flower_sim_matches_local_runtime(tmp_path, monkeypatch, method):
             super().__init__(*args, **kwargs)
             started.append(self)
 
-    monkeypatch.setattr(flower, "FlowerClients", Recorded)
+    monkeypatch.setattr(simulation, "FlowerClients", Recorded)
     layers = {"method": method, "clients": {"num": 4, "per_round": 3}, "train": {"rounds": 2}}
     _, local_rows, local_dir = run_tiny(tmp_path, tiny_config(layers), "local")
     summary, sim_rows, sim_dir = run_tiny(

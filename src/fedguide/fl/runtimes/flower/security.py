@@ -1,23 +1,27 @@
-"""The ``flower`` runtime: a Flower deployment, a SuperLink and one SuperNode per client, on as many
-machines as there are. ``fedguide serve`` starts it (fl/flower/deploy.py: the SuperLink and the
-ServerApp, which runs the round loop with this runtime and the deployment's Grid); every client
-machine runs ``fedguide client`` (fl/flower/node.py). Its executor is
-``fl.flower.deployed_clients.DeployedClients``.
+"""Security of a Flower deployment beyond this machine, server and client side: the ``runtime.tls``
+and ``runtime.auth`` sections (checked when a config is read, so a missing or wrong file fails before
+any process starts), the SuperNodes' keys, and which connections may go without TLS.
 
-``runtime.tls`` and ``runtime.auth`` are Flower's TLS and SuperNode authentication for a deployment
-beyond this machine: paths on the machine that reads the config (server and clients may differ; the
-config fingerprint leaves ``runtime`` out), checked here so a missing file fails before any process
-starts."""
+Decisions (README "Running on several machines"):
+- Paths are those of the machine that reads the config: server and clients may hold different ones
+  (the config fingerprint leaves ``runtime`` out).
+- With ``runtime.tls`` the SuperLink serves HTTPS (Flower's ``--ssl-ca-certfile/--ssl-certfile/
+  --ssl-keyfile``) and its certificate is checked for the address ``fedguide serve`` itself reaches it
+  at; without it, a SuperLink beyond loopback (server) or a SuperLink on another machine (client)
+  needs an explicit ``--insecure``.
+- SuperNode authentication takes OpenSSH ECDSA keys on a NIST curve, the kind Flower admits: the
+  server registers the allow-list (``runtime.auth.public_keys``), each client proves its
+  ``runtime.auth.private_key``.
+"""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Optional
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from fedguide.fl.flower.deployed_clients import ClientStatesOnClients, DeployedClients
-from fedguide.fl.runtimes.base import DEFAULT_THREADS, RUNTIMES, Executor, RunHandle, Runtime
+from fedguide.fl.runtimes.flower.messages import FlowerRuntimeFailed
+from fedguide.fl.runtimes.flower.processes import address_host, is_loopback
 from fedguide.registry import ConfigError
 
 NIST_CURVES = ("secp256r1", "secp384r1", "secp521r1")
@@ -130,90 +134,69 @@ class AuthParams(BaseModel):
         return self
 
 
-class FlowerParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    threads_per_worker: Optional[int] = Field(
-        None, ge=1, description="torch intra-op threads of each client process; null = torch's default")
-    superlink: str = Field(
-        "127.0.0.1:9092", description="host:port of the SuperLink as the clients reach it; 'fedguide serve' "
-                                      "listens on its port")
-    min_clients: Optional[int] = Field(
-        None, ge=1, description="a round counts when at least this many of its sampled clients reply; the "
-                                "others are recorded as failed; null = every sampled client")
-    round_timeout: Optional[float] = Field(
-        None, gt=0, description="seconds a round waits for replies before counting the missing clients as "
-                                "failed; null = until Flower reports their SuperNode gone")
-    connect_timeout: float = Field(600.0, gt=0, description="seconds the server waits for every client to connect")
-    client_process: Literal["long-lived", "per-message"] = Field(
-        "long-lived", description="client side: long-lived = one process per client trains every message (torch "
-                                  "and the data load once); per-message = Flower's own flwr-clientapp process "
-                                  "per message")
-    tls: Optional[TLSParams] = Field(
-        None, description="TLS between the clients and the SuperLink: {ca, cert, key} on the server, {ca} on a "
-                          "client; needed for any SuperLink beyond 127.0.0.1 unless --insecure is given")
-    auth: Optional[AuthParams] = Field(
-        None, description="SuperNode authentication (needs tls): {public_keys: [...]} on the server, "
-                          "{private_key: ...} on a client")
+def check_certificate(host: str, port: int, tls: TLSParams) -> None:
+    """The SuperLink's certificate verifies against the CA for ``host``, the address ``serve``'s
+    ``flwr`` commands and the ServerApp connect to; a clear error otherwise (Flower's is 'unavailable')."""
+    import ipaddress
+    import socket
+    import ssl
 
-    @model_validator(mode="after")
-    def _auth_over_tls(self) -> "FlowerParams":
-        if self.auth is not None and self.tls is None:
-            raise ValueError("runtime.auth needs runtime.tls: Flower authenticates SuperNodes over TLS only; set "
-                             "runtime.tls.ca (and, on the server, runtime.tls.cert and runtime.tls.key)")
-        return self
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_workers(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "workers" in data:
-            if data["workers"] != 1:
-                raise ValueError("runtime.workers does not apply to runtime.name=flower (each client is its own "
-                                 "process); remove it, and set runtime.threads_per_worker for the clients' threads")
-            data = {k: v for k, v in data.items() if k != "workers"}
-        return data
-
-    @field_validator("superlink")
-    @classmethod
-    def _host_port(cls, value: str) -> str:
-        host, _, port = value.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"runtime.superlink {value!r} is not host:port; write e.g. 127.0.0.1:9092")
-        return value
+    context = ssl.create_default_context(cafile=str(tls.ca))
+    try:
+        with socket.create_connection((host, port), timeout=30) as raw:
+            with context.wrap_socket(raw, server_hostname=host):
+                pass
+    except ssl.SSLCertVerificationError as err:
+        try:
+            san = f"IP:{ipaddress.ip_address(host)}"
+        except ValueError:
+            san = f"DNS:{host}"
+        raise ConfigError(f"the SuperLink's certificate {tls.cert} does not verify for {host} against "
+                          f"runtime.tls.ca {tls.ca}: {str(err.verify_message).rstrip('.')}. It must be signed by that "
+                          f"CA and name {host} (subjectAltName {san}: this machine reaches the SuperLink there) "
+                          "besides the address the clients use") from None
+    except (ssl.SSLError, OSError) as err:
+        raise FlowerRuntimeFailed(f"a TLS connection to the SuperLink at {host}:{port} failed: {err}") from None
 
 
-def flower_params(cfg) -> FlowerParams:
-    """The ``runtime`` section of a ``runtime.name: flower`` config, validated."""
-    return RUNTIMES.parse_params(cfg.runtime.name, cfg.runtime.params_dict(), "runtime")
+def check_exposure(host: str, tls: Optional[TLSParams], insecure: bool) -> Optional[str]:
+    """Refuse a SuperLink that other machines reach without TLS unless ``--insecure`` says so; the
+    warning to print, if any."""
+    if insecure and tls is not None:
+        raise ConfigError("--insecure and runtime.tls contradict each other: drop --insecure to serve over TLS, "
+                          "or remove runtime.tls")
+    if is_loopback(host):
+        return None
+    if tls is None and not insecure:
+        raise ConfigError(f"--host {host} lets other machines reach the SuperLink: set runtime.tls (ca, cert, key) "
+                          "and runtime.auth.public_keys so the traffic is encrypted and only your clients join "
+                          "(README \"Running on several machines\"), or pass --insecure to serve plain HTTP on a "
+                          "network you trust")
+    if tls is None:
+        return (f"warning: --insecure: the SuperLink on {host} speaks plain HTTP, and any machine that reaches its "
+                f"port can join as a client")
+    return None
 
 
-@RUNTIMES.register("flower", summary="a Flower deployment: 'fedguide serve' and one 'fedguide client' per client")
-class Deployment(Runtime):
-    Params = FlowerParams
-    extras = ("flower",)
+def check_connection(address: str, tls, insecure: bool) -> None:
+    """Refuse plain HTTP to a SuperLink on another machine unless ``--insecure`` says so."""
+    if insecure and tls is not None:
+        raise ConfigError("--insecure and runtime.tls contradict each other: drop --insecure to connect over TLS, "
+                          "or remove runtime.tls")
+    if tls is None and not insecure and not is_loopback(address_host(address)):
+        raise ConfigError(f"the SuperLink {address} is on another machine: set runtime.tls.ca to the CA certificate "
+                          "that signed its certificate (and runtime.auth.private_key to this client's key if the "
+                          "server authenticates clients), or pass --insecure to connect over plain HTTP on a "
+                          "network you trust")
 
-    def __init__(self, params: FlowerParams, grid=None):
-        super().__init__(params)
-        self.grid = grid  # the deployment's Grid, handed over by the ServerApp
 
-    @classmethod
-    def refuses(cls, run_dir: Optional[Path], resume: bool) -> Optional[str]:
-        if resume:
-            return f"{run_dir} ran on a Flower deployment; continue it with: fedguide serve --resume {run_dir}"
-        return ("runtime.name=flower runs on a Flower deployment: start 'fedguide serve CONFIG' and one "
-                "'fedguide client --partition-id I CONFIG' per client (README \"Running on several machines\")")
+class Security:
+    """How this client's SuperNodes reach the SuperLink: TLS (the CA's certificate) and the key they
+    authenticate with, or plain HTTP."""
 
-    def resources(self, clients_per_round: int, num_params: int, device: Optional[torch.device] = None
-                  ) -> tuple[int, int]:
-        return clients_per_round, self.params.threads_per_worker or DEFAULT_THREADS
+    def __init__(self, ca: Optional[Path] = None, private_key: Optional[Path] = None):
+        self.ca, self.private_key = ca, private_key
 
-    def start(self, run: RunHandle) -> Executor:
-        if self.grid is None:
-            raise ConfigError(self.refuses(run.run_dir, resume=False))
-        cfg = run.prepared.config
-        clients = DeployedClients(self.grid, self.params, cfg, run.run_dir, run.ctx.num_clients, run.log,
-                                  threads=run.threads)
-        run.ctx.store = ClientStatesOnClients(clients)  # methods hold ctx itself, so they see this
-        if run.checkpoint is not None:
-            clients.restore(run.checkpoint.metrics)
-        clients.connect()
-        return clients
+    def args(self) -> list[str]:
+        out = ["--root-certificates", str(self.ca)] if self.ca else ["--insecure"]
+        return out + (["--auth-supernode-private-key", str(self.private_key)] if self.private_key else [])

@@ -43,11 +43,11 @@ import torch
 
 from fedguide.core.records import Record
 from fedguide.fl.client_step import ClientResult
-from fedguide.fl.flower.messages import (FlowerClientFailed, FlowerRuntimeFailed, decode_result, error_reason,
-                                         train_reply)
-from fedguide.fl.flower.processes import FLOWER_ENV, alive as _alive, descendants, stop_processes
-from fedguide.fl.flower.records import encode
-from fedguide.fl.runtimes.base import Executor
+from fedguide.fl.runtime import Executor
+from fedguide.fl.runtimes.flower.messages import (FlowerClientFailed, FlowerRuntimeFailed, decode_result, error_reason,
+                                                  train_reply)
+from fedguide.fl.runtimes.flower.processes import FLOWER_ENV, alive as _alive, descendants, stop_processes
+from fedguide.fl.runtimes.flower.records import encode
 from fedguide.fl.setup import load_run_config, open_run, prepare
 from fedguide.registry import ConfigError
 
@@ -143,7 +143,7 @@ class FlowerClients(Executor):
         self.gpus_per_client = gpus_per_client
         self.run_dir = Path(run_dir).resolve()
         self.num_clients = num_clients
-        self.actors, self.threads = actors, threads  # fl/runtimes/flower_sim.py: actors_and_threads
+        self.actors, self.threads = actors, threads  # simulation.py: actors_and_threads
         self.workers = self.actors
         self.ray_pids: set[int] = set()  # every process Ray started, for close() and for tests
         self._tmp = Path(tempfile.mkdtemp(prefix="fedguide-flower-"))  # short: Ray's socket paths

@@ -24,11 +24,11 @@ from tests.tiny import run_tiny, tiny_config, tiny_raw, without_timing
 
 pytest.importorskip("flwr")
 
-from fedguide.fl.flower import deploy, node as client_side  # noqa: E402
-from fedguide.fl.flower.messages import FlowerClientFailed  # noqa: E402
-from fedguide.fl.flower.processes import alive, command_line, descendants, free_port, stop_tree  # noqa: E402
-from fedguide.fl.flower.protocol import comparable, differences, fingerprint, run_key  # noqa: E402
-from fedguide.fl.runtimes.flower import FlowerParams  # noqa: E402
+from fedguide.fl.runtimes.flower import node as client_side, server  # noqa: E402
+from fedguide.fl.runtimes.flower.deployment import FlowerParams  # noqa: E402
+from fedguide.fl.runtimes.flower.messages import FlowerClientFailed  # noqa: E402
+from fedguide.fl.runtimes.flower.processes import alive, command_line, descendants, free_port, stop_tree  # noqa: E402
+from fedguide.fl.runtimes.flower.protocol import comparable, differences, fingerprint, run_key  # noqa: E402
 
 DEPLOY_KEYS = {"failed_clients", "client_errors"}
 FLOWER = {"name": "flower", "workers": 1, "threads_per_worker": 1}
@@ -143,7 +143,7 @@ def loopback(tmp_path, monkeypatch):
 def run_deployed(tmp_path, cfg, grid, name="deployed", resume=False):
     lines: list[str] = []
     run_dir = tmp_path / name
-    summary = deploy.deployed_experiment(prepare(cfg), run_dir, grid, log=lines.append).run(resume=resume)
+    summary = server.deployed_experiment(prepare(cfg), run_dir, grid, log=lines.append).run(resume=resume)
     return summary, read_rows(run_dir), run_dir, lines
 
 
@@ -226,10 +226,10 @@ def test_a_client_with_another_config_is_refused_with_the_keys_named(tmp_path, l
 def test_the_flower_app_names_fedguide_and_the_run(tmp_path):
     import tomllib
 
-    app = tomllib.loads((deploy.write_app(tmp_path / "run", resume=True) / "pyproject.toml").read_text())
+    app = tomllib.loads((server.write_app(tmp_path / "run", resume=True) / "pyproject.toml").read_text())
     flwr = app["tool"]["flwr"]["app"]
-    assert flwr["components"] == {"serverapp": "fedguide.fl.flower.deploy:server_app",
-                                  "clientapp": "fedguide.fl.flower.node:client_app"}
+    assert flwr["components"] == {"serverapp": "fedguide.fl.runtimes.flower._server_app:server_app",
+                                  "clientapp": "fedguide.fl.runtimes.flower._client_app:client_app"}
     assert flwr["config"] == {"run-dir": str((tmp_path / "run").resolve()), "resume": True}
 
 
@@ -265,9 +265,9 @@ def test_deployment_on_localhost_matches_local_and_survives_a_killed_supernode(t
     started: set[int] = set()  # every process of this test, to check that none is left
     try:
         clients = [start_client(tmp_path, cid, tmp_path / "tiny.yaml", []) for cid in range(3)]
-        link = deploy.SuperLink(tmp_path / "link", port)
+        link = server.SuperLink(tmp_path / "link", port)
         lines: list[str] = []
-        summary = deploy.start_run(link, tmp_path / "run", cfg, resume=False, log=lines.append)
+        summary = server.start_run(link, tmp_path / "run", cfg, resume=False, log=lines.append)
         rows = read_rows(tmp_path / "run")
         assert [r["accuracy"] for r in rows] == [r["accuracy"] for r in local_rows]
         assert deployed_rows(rows) == deployed_rows(local_rows)
@@ -282,7 +282,7 @@ def test_deployment_on_localhost_matches_local_and_survives_a_killed_supernode(t
 
         def second_run():
             try:
-                outcome["summary"] = deploy.start_run(link, tmp_path / "run2", tolerant, False, lines.append)
+                outcome["summary"] = server.start_run(link, tmp_path / "run2", tolerant, False, lines.append)
             except BaseException as err:  # reported below
                 outcome["error"] = err
         thread = threading.Thread(target=second_run)

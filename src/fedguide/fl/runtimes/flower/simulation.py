@@ -1,5 +1,5 @@
 """The ``flower-sim`` runtime: every client a virtual SuperNode of Flower's simulation engine (Ray
-actors) on this machine; the executor is ``fl.flower.sim.FlowerClients``, which imports Flower only
+actors) on this machine; the executor is ``simulated_clients.FlowerClients``, which imports Flower only
 when it starts."""
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedguide.core.device import is_gpu_like
-
-from fedguide.fl.flower.sim import FlowerClients, actors_and_threads
-from fedguide.fl.runtimes.base import RUNTIMES, Executor, RunHandle, Runtime
+from fedguide.fl.runtime import RUNTIMES, Executor, RunHandle, Runtime
+from fedguide.fl.runtimes.flower.simulated_clients import FlowerClients, actors_and_threads
 
 
 class FlowerSimParams(BaseModel):

@@ -13,9 +13,9 @@ Decisions:
   still tells its SuperLink that it is leaving.
 - ``stop_tree`` collects the whole tree before signalling anything: Flower starts some helpers in
   a session of their own, and a child whose parent died first would be re-parented out of reach.
-- The SuperLink runs as ``python -m fedguide.fl.flower.processes superlink ARGS`` (``run_superlink``):
-  Flower 1.42's ``flower-superlink`` with one more middleware, ``LocalControl``. Flower serves its
-  Fleet API (SuperNodes), Control API (``flwr run``, ``flwr supernode register``) and Runtime API
+- The SuperLink runs as ``python -m fedguide.fl.runtimes.flower.processes superlink ARGS``
+  (``run_superlink``): Flower 1.42's ``flower-superlink`` with one more middleware, ``LocalControl``.
+  Flower serves its Fleet API (SuperNodes), Control API (``flwr run``, ``flwr supernode register``) and Runtime API
   (the ServerApp) on one port, and its Control API has no account authentication outside Flower's
   enterprise edition: whoever reaches the port could submit a run (code that the SuperLink's
   ServerApp process would import) or register a SuperNode key of their own. ``LocalControl``
@@ -225,7 +225,7 @@ def _addresses_of(host: str) -> list[str]:
 
 def superlink_command(args: Sequence[str]) -> list[str]:
     """The command that runs ``flower-superlink ARGS`` behind ``LocalControl``."""
-    return [sys.executable, "-m", "fedguide.fl.flower.processes", "superlink", *args]
+    return [sys.executable, "-m", "fedguide.fl.runtimes.flower.processes", "superlink", *args]
 
 
 def run_superlink(args: Sequence[str]) -> None:
@@ -251,5 +251,5 @@ def run_superlink(args: Sequence[str]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["superlink"]:
-        sys.exit("usage: python -m fedguide.fl.flower.processes superlink [flower-superlink options]")
+        sys.exit("usage: python -m fedguide.fl.runtimes.flower.processes superlink [flower-superlink options]")
     run_superlink(sys.argv[2:])

@@ -10,7 +10,7 @@ summary.json). ``serve`` prints the ServerApp's log lines as they come and stops
 every process under it, by their ids when the run ends, fails or is interrupted.
 
 The round loop's clients are ``deployed_clients.DeployedClients``, the executor of the ``flower``
-runtime (``fl/runtimes/flower.py``), which the ServerApp hands a Grid.
+runtime (deployment.py), which the ServerApp hands a Grid.
 
 Decisions:
 - Security (README "Running on several machines"): with ``runtime.tls`` the SuperLink serves HTTPS
@@ -38,11 +38,12 @@ import fedguide
 from fedguide.config import Config, load_config, to_yaml
 from fedguide.core.atomic import write_json, write_text
 from fedguide.fl.engine import Experiment
-from fedguide.fl.flower.messages import FlowerRuntimeFailed
-from fedguide.fl.flower.processes import (command_line, descendants, flower_command, flower_env, is_loopback, log_tail,
-                                          port_open, start, stop_tree, superlink_command)
-from fedguide.fl.flower.protocol import APP_NAME, APP_PUBLISHER
-from fedguide.fl.runtimes.flower import Deployment, TLSParams, flower_params, public_keys_in
+from fedguide.fl.runtimes.flower.deployment import Deployment, flower_params
+from fedguide.fl.runtimes.flower.messages import FlowerRuntimeFailed
+from fedguide.fl.runtimes.flower.processes import (command_line, descendants, flower_command, flower_env, is_loopback,
+                                                   log_tail, port_open, start, stop_tree, superlink_command)
+from fedguide.fl.runtimes.flower.protocol import APP_NAME, APP_PUBLISHER
+from fedguide.fl.runtimes.flower.security import TLSParams, check_certificate, check_exposure, public_keys_in
 from fedguide.fl.setup import Prepared, load_run_config, prepare
 from fedguide.registry import ConfigError
 
@@ -88,15 +89,13 @@ def deployed_experiment(prepared: Prepared, run_dir: Path, grid, log: Callable[[
     return Experiment(prepared, run_dir, log=log, runtime=Deployment(prepared.resolved.runtime.params, grid=grid))
 
 
-def _server_app():
+def flower_server_app():
+    """The ServerApp that runs fedguide's round loop; _server_app.py names it for Flower."""
     from flwr.serverapp import ServerApp
 
     app = ServerApp()
     app.main()(server_main)
     return app
-
-
-server_app = _server_app()  # named in the Flower app's pyproject.toml (serverapp = "...deploy:server_app")
 
 
 def write_app(run_dir: Path, resume: bool) -> Path:
@@ -110,8 +109,8 @@ def write_app(run_dir: Path, resume: bool) -> Path:
                     "description": "a fedguide run on a Flower deployment", "dependencies": []},
         "tool": {"flwr": {"app": {
             "publisher": APP_PUBLISHER,
-            "components": {"serverapp": "fedguide.fl.flower.deploy:server_app",
-                           "clientapp": "fedguide.fl.flower.node:client_app"},
+            "components": {"serverapp": "fedguide.fl.runtimes.flower._server_app:server_app",
+                           "clientapp": "fedguide.fl.runtimes.flower._client_app:client_app"},
             "config": {"run-dir": str(Path(run_dir).resolve()), "resume": bool(resume)},
         }}},
     }
@@ -122,31 +121,6 @@ def write_app(run_dir: Path, resume: bool) -> Path:
 # ---- the SuperLink and `fedguide serve` -------------------------------------------------------------
 def superlink_port(cfg: Config) -> int:
     return int(cfg.runtime.superlink.rpartition(":")[2])
-
-
-def check_certificate(host: str, port: int, tls: TLSParams) -> None:
-    """The SuperLink's certificate verifies against the CA for ``host``, the address ``serve``'s
-    ``flwr`` commands and the ServerApp connect to; a clear error otherwise (Flower's is 'unavailable')."""
-    import ipaddress
-    import socket
-    import ssl
-
-    context = ssl.create_default_context(cafile=str(tls.ca))
-    try:
-        with socket.create_connection((host, port), timeout=30) as raw:
-            with context.wrap_socket(raw, server_hostname=host):
-                pass
-    except ssl.SSLCertVerificationError as err:
-        try:
-            san = f"IP:{ipaddress.ip_address(host)}"
-        except ValueError:
-            san = f"DNS:{host}"
-        raise ConfigError(f"the SuperLink's certificate {tls.cert} does not verify for {host} against "
-                          f"runtime.tls.ca {tls.ca}: {str(err.verify_message).rstrip('.')}. It must be signed by that "
-                          f"CA and name {host} (subjectAltName {san}: this machine reaches the SuperLink there) "
-                          "besides the address the clients use") from None
-    except (ssl.SSLError, OSError) as err:
-        raise FlowerRuntimeFailed(f"a TLS connection to the SuperLink at {host}:{port} failed: {err}") from None
 
 
 class SuperLink:
@@ -314,25 +288,6 @@ def start_run(link: SuperLink, run_dir: Path, cfg: Optional[Config], resume: boo
         error = ConfigError if outcome.get("config_error") else FlowerRuntimeFailed
         raise error(outcome.get("error", "the run failed"))
     return json.loads((run_dir / "summary.json").read_text())
-
-
-def check_exposure(host: str, tls: Optional[TLSParams], insecure: bool) -> Optional[str]:
-    """Refuse a SuperLink that other machines reach without TLS unless ``--insecure`` says so; the
-    warning to print, if any."""
-    if insecure and tls is not None:
-        raise ConfigError("--insecure and runtime.tls contradict each other: drop --insecure to serve over TLS, "
-                          "or remove runtime.tls")
-    if is_loopback(host):
-        return None
-    if tls is None and not insecure:
-        raise ConfigError(f"--host {host} lets other machines reach the SuperLink: set runtime.tls (ca, cert, key) "
-                          "and runtime.auth.public_keys so the traffic is encrypted and only your clients join "
-                          "(README \"Running on several machines\"), or pass --insecure to serve plain HTTP on a "
-                          "network you trust")
-    if tls is None:
-        return (f"warning: --insecure: the SuperLink on {host} speaks plain HTTP, and any machine that reaches its "
-                f"port can join as a client")
-    return None
 
 
 def serve(run_dir: Path, cfg: Optional[Config] = None, resume: bool = False, host: str = "127.0.0.1",

@@ -8,8 +8,8 @@ and fit seconds. Both are encoded by ``records`` so every tensor arrives bit for
 from __future__ import annotations
 
 from fedguide.fl.client_step import ClientResult, run_client
-from fedguide.fl.flower.records import decode, encode
-from fedguide.fl.runtimes.base import WorkerCrashed
+from fedguide.fl.runtime import WorkerCrashed
+from fedguide.fl.runtimes.flower.records import decode, encode
 
 
 class FlowerRuntimeFailed(WorkerCrashed):
