@@ -122,3 +122,48 @@ def test_the_engine_names_no_runtime():
 
     text = (SRC / "fl" / "engine.py").read_text()
     assert RUNTIMES.names() and not [n for n in RUNTIMES.names() if f'"{n}"' in text or f"'{n}'" in text]
+
+
+# Inside fl/, bottom to top: a module may import its own layer and the ones below, never one above.
+# The runtime interface is at the bottom so the engine reaches every runtime through it alone, and the
+# runtimes, which may use the engine (a Flower deployment runs it in its ServerApp), sit on top.
+FL_LAYERS = [
+    # the runtime interface, one client's round, and the parts of a run the engine puts together
+    {"fedguide.fl", "fedguide.fl.runtime", "fedguide.fl.client_step", "fedguide.fl.run_lock",
+     "fedguide.fl.checkpoint", "fedguide.fl.evaluation", "fedguide.fl.loggers"},
+    {"fedguide.fl.run_folder"},  # what a run folder holds (its lock)
+    {"fedguide.fl.setup"},  # a config opened: data, model, method, runtime parameters
+    {"fedguide.fl.preflight"},  # a config checked before anything runs
+    {"fedguide.fl.engine"},  # the round loop
+    {"fedguide.fl.runtimes"},  # every runtime, at any depth
+]
+
+
+def fl_layer(module: str) -> int:
+    for i, names in reversed(list(enumerate(FL_LAYERS))):
+        if module in names or (module.startswith("fedguide.fl.runtimes.") and "fedguide.fl.runtimes" in names):
+            return i
+    raise AssertionError(f"{module} has no place in FL_LAYERS (tests/test_import_structure.py): add it to the "
+                         "lowest layer that holds every fl module it imports")
+
+
+def test_no_import_runs_up_inside_fl(graph):
+    fl = {m: {d for d in deps if d.startswith("fedguide.fl")} for m, deps in graph.items()
+          if m == "fedguide.fl" or m.startswith("fedguide.fl.")}
+    upward = sorted(f"{m} (layer {fl_layer(m)}) -> {d} (layer {fl_layer(d)})"
+                    for m, deps in fl.items() for d in deps if fl_layer(d) > fl_layer(m))
+    assert upward == [], "imports that reach up inside fl/:\n" + "\n".join(upward)
+    assert cycles(fl) == []
+
+
+def test_the_runtime_interface_stands_on_core_config_and_the_method_interface(graph):
+    allowed = ("fedguide.core", "fedguide.registry", "fedguide.config", "fedguide.methods.base",
+               "fedguide.fl.client_step")
+    assert sorted(d for d in graph["fedguide.fl.runtime"] if not d.startswith(allowed)) == []
+
+
+def test_the_layer_check_catches_an_upward_import():
+    assert fl_layer("fedguide.fl.runtimes.flower.server") > fl_layer("fedguide.fl.engine") > \
+        fl_layer("fedguide.fl.setup") > fl_layer("fedguide.fl.runtime")
+    with pytest.raises(AssertionError, match="no place in FL_LAYERS"):
+        fl_layer("fedguide.fl.new_module")
