@@ -24,7 +24,7 @@ demo: setup data
 	$(BIN)/fedguide run configs/demo.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S) --sweep method.name=fedavg,feddifrc
 
 test: setup data
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests -n auto
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests -n auto --maxschedchunk 1
 
 bench: setup data
 	$(BIN)/python benchmarks/engine_overhead.py

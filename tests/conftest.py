@@ -1,4 +1,6 @@
+import json
 import os
+from pathlib import Path
 
 # Tests never reach the network: no dataset download, no model hub.
 os.environ.setdefault("FEDGUIDE_OFFLINE", "1")
@@ -50,9 +52,27 @@ import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+    slowest_files_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run pytest -m gpu, or scripts/device-check.sh, on a GPU host)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+# ---- the slowest files start first: on two workers a minute-long test that starts last sets the wall time ----
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def slowest_files_first(items):
+    """Orders test files by their slowest test as recorded in durations.json (seconds; files not listed count 0),
+    keeping each file's tests together and in their order (module fixtures are set up once). The order is the
+    same in every pytest-xdist worker, as xdist requires. Refresh the file with ``python -m tests.durations``
+    after a run with ``--junitxml``."""
+    slowest = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda item: (-slowest.get(item.nodeid.split("::")[0], 0.0),
+                                 first_seen[item.nodeid.split("::")[0]]))

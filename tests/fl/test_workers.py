@@ -1,4 +1,5 @@
-"""Clients trained in worker processes: identical results for any number of workers; crashes reported."""
+"""Clients trained in worker processes: identical results for any number of workers; crashes reported. Every method
+in the worker pool: tests/e2e/test_every_method.py."""
 from __future__ import annotations
 
 import json
@@ -17,10 +18,9 @@ from fedguide.config import build_config
 from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import prepare
 from fedguide.fl.runtimes.local import DEFAULT_THREADS, LocalParams, WorkerCrashed, auto_workers, resolve_workers
-from fedguide.methods import METHODS
 from fedguide.fl.engine import TIMING_METRICS
 from tests import python_env
-from tests.tiny import GUIDED_METHODS, SWEEP_OVERRIDES
+from tests.tiny import SWEEP_OVERRIDES
 
 
 def config(workers, method="fedavg", **over):
@@ -60,30 +60,6 @@ def test_results_are_bit_identical_for_1_2_4_workers(tmp_path):
     ref = run(tmp_path, "w1", config(1))
     for workers in (2, 4):
         assert_identical(ref, run(tmp_path, f"w{workers}", config(workers)), workers)
-
-
-# Methods whose every optimiser step is asserted free of host syncs on the simulated device (a loss summed on the
-# device is fine; one read per step is not).
-NO_SYNC_PER_STEP = {"fedavg", "fedprox", "moon", "scaffold", "feddw", "feduv", "feddistill_plus", "fedrcl"}
-
-
-@pytest.mark.parametrize("method", [m for m in METHODS.names() if m not in GUIDED_METHODS] + ["fedavg+dw"])
-def test_every_method_runs_in_workers_and_on_the_simulated_device_unchanged(tmp_path, method):
-    # Payloads and uploads are plain records, so a method gives the same result in worker processes; and on the
-    # simulated device (the CPU under CUDA's rules) it computes what the CPU computes, in process and in workers.
-    name, regs = (method.split("+")[0], [method.split("+")[1]]) if "+" in method else (method, [])
-    over = dict(train={"rounds": 2, "epochs": 1, "batch_size": 32, "lr": 0.05}, regularizers=regs)
-    if regs == ["dw"]:
-        over["model"] = {"name": "mlp", "head_bias": False}
-    cpu = run(tmp_path, "w1", config(1, name, **over))
-    sim_over = {**over, "train": {**over["train"], "device": "simulated"}}
-    assert_identical(cpu, run(tmp_path, "sim", config(1, name, **sim_over)), (method, "simulated"))
-    assert_identical(cpu, run(tmp_path, "w2", config(2, name, **sim_over)), (method, "workers, simulated"))
-    check = json.loads((tmp_path / "sim" / "summary.json").read_text())["device_check"]
-    assert check["device"] == "simulated" and check["mixes"] == 0
-    if method in NO_SYNC_PER_STEP or name in NO_SYNC_PER_STEP:
-        assert check["host_syncs_per_step"] == 0, check
-        assert check["h2d_bytes_per_step"] == 0, check
 
 
 def test_a_killed_worker_stops_the_run_with_the_client_named_and_leaves_no_orphans(tmp_path):
