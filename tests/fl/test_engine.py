@@ -6,8 +6,7 @@ import json
 import pytest
 import torch
 
-from fedguide.fl.engine import Experiment
-from fedguide.fl.setup import prepare
+from fedguide.fl.setup import open_run, prepare
 from fedguide.core.seeding import sample_clients
 from fedguide.core.state import ClientStateStore
 from fedguide.registry import ConfigError
@@ -60,8 +59,7 @@ def test_local_keeps_one_model_per_client_and_reports_their_mean(tmp_path):
     assert not torch.equal(states[0]["weights"], states[1]["weights"])
     # Recompute the reported accuracy from the stored client models.
     prepared = prepare(config(method={"name": "local"}, clients={"num": 4, "per_round": 4}))
-    exp = Experiment(prepared, tmp_path / "scratch", log=lambda s: None)
-    ctx, _ = exp.build_context()
+    ctx, _ = open_run(prepared, tmp_path / "scratch")
     accs = [ctx.evaluator.evaluate(s["weights"])["accuracy"] for s in states]
     assert rows[-1]["accuracy"] == pytest.approx(sum(accs) / 4)
     assert rows[-1]["client_accuracy_min"] == pytest.approx(min(accs))

@@ -70,10 +70,6 @@ class Experiment:
         self.runtime = runtime if runtime is not None else runtime_of(prepared)
         check_available(self.cfg.logging)  # a missing optional package is named before the run starts
 
-    def build_context(self) -> tuple[RunContext, Method]:
-        """The run context and method of this run, not set up (``fl.setup.open_run``)."""
-        return open_run(self.p, self.run_dir)
-
     def _write_static(self) -> None:
         self.folder.write_config(self.cfg)
         self.folder.write_partition(self._partition_record())

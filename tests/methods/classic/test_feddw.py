@@ -1,4 +1,4 @@
-"""FedDW against its equations (papers/feddw.md, Eq. 4-12, Theorem 1) and its composability."""
+"""FedDW against its equations (the FedDW paper, Eq. 4-12, Theorem 1) and its composability."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from fedguide.config import build_config
 from fedguide.fl.engine import Experiment
 from fedguide.core.training import local_objective, regularizer_terms
-from fedguide.fl.setup import prepare
+from fedguide.fl.setup import open_run, prepare
 from fedguide.methods.base import ClientContext
 from fedguide.methods.compose import Hooks
 from fedguide.methods.classic.feddw import DWParams, aggregate_soft_labels, class_relation, dw_loss, mu_at, soft_label_matrix
@@ -141,8 +141,7 @@ def test_feddw_mnist_paper_configs_use_the_unpooled_cnn(setting):
 
 def test_moon_plus_dw_loss_is_moon_loss_plus_mu_times_lreg(tmp_path):
     cfg = tiny({"name": "moon"}, regularizers=[{"name": "dw", "mu": 0.7}])
-    exp = Experiment(prepare(cfg), tmp_path / "run", log=lambda s: None)
-    ctx, method = exp.build_context()
+    ctx, method = open_run(prepare(cfg), tmp_path / "run")
     hooks = Hooks(method)
     hooks.setup()
     model = ctx.model

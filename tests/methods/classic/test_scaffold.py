@@ -10,8 +10,7 @@ from torch import nn
 
 from fedguide.config import TrainConfig
 from fedguide.fl.checkpoint import load_checkpoint
-from fedguide.fl.engine import Experiment
-from fedguide.fl.setup import prepare
+from fedguide.fl.setup import open_run, prepare
 from fedguide.core.seeding import derive_seed, torch_generator
 from fedguide.core.state import ClientStateStore
 from fedguide.core.weights import WeightLayout
@@ -202,10 +201,10 @@ def run(tmp_path, name="run", resume=False, **over):
 def _train_one_client(run_dir, method_name, **over):
     """Round 1, client 0, exactly as the engine runs it; returns the trained weights, upload, payload."""
     method = {"name": method_name} if isinstance(method_name, str) else method_name
-    exp = Experiment(prepare(config(method=method, **over)), run_dir, log=lambda s: None)
-    ctx, method = exp.build_context()
+    prepared = prepare(config(method=method, **over))
+    ctx, method = open_run(prepared, run_dir)
     method.setup()
-    cfg = exp.cfg
+    cfg = prepared.config
     payload = method.server_payload(1, 0, ctx.initial_weights.clone())
     cctx = ClientContext(0, 1, ctx.data.client(0), payload, {}, generator=torch_generator(cfg.seed, "client", 1, 0))
     ctx.layout.load(ctx.model, method.client_start(cctx))

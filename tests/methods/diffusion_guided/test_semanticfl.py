@@ -10,8 +10,7 @@ import torch
 
 from fedguide.fl.checkpoint import load_checkpoint
 from fedguide.fl.client_step import run_client
-from fedguide.fl.engine import Experiment
-from fedguide.fl.setup import prepare
+from fedguide.fl.setup import open_run, prepare
 from fedguide.methods import ClientContext
 from fedguide.methods.diffusion_guided._diffusion_features import lookup
 from fedguide.methods.diffusion_guided.semanticfl import info_nce, kd_loss
@@ -114,7 +113,7 @@ def test_runs_end_to_end_with_the_documented_feature_shapes(tmp_path, tiny_sd, f
 
 def method_for(cfg, run_dir):
     """The run context and the set-up method of ``cfg``, without running rounds."""
-    ctx, method = Experiment(prepare(cfg), run_dir).build_context()
+    ctx, method = open_run(prepare(cfg), run_dir)
     method.setup()
     return ctx, method
 

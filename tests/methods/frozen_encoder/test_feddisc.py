@@ -13,7 +13,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import prepare
 from fedguide.guidance.privacy import noised_mean_privacy
 from fedguide.guidance.samplers import SamplerConfig, sample
@@ -205,7 +204,7 @@ def test_client_summary_upload_holds_only_centroids_domain_features_and_counts()
 def test_upload_audit_on_a_real_client(digits_config, tmp_path):
     cfg = digits_config({"name": "feddisc", **FAST})
     prepared = prepare(cfg)
-    ctx, method = Experiment(prepared, tmp_path / "run", log=lambda s: None).build_context()
+    ctx, method = open_run(prepared, tmp_path / "run")
     method.setup()
     payload = method.server_payload(1, 0, ctx.initial_weights)
     # the unCLIP noise process's embedding scale c is the server's (its labeled images'), a scalar

@@ -97,10 +97,9 @@ def test_semifl_runs_and_server_training_fits_the_labeled_set(config, tmp_path):
     cfg = config({"name": "semifl", "threshold": 0.3, "strong_views": 2})
     summary, rows, run_dir = run_tiny(tmp_path, cfg)
     assert len(rows) == 2 and all(r["bytes_up"] > 0 for r in rows)
-    from fedguide.fl.engine import Experiment
-    from fedguide.fl.setup import prepare
+    from fedguide.fl.setup import open_run, prepare
 
-    ctx, method = Experiment(prepare(cfg), tmp_path / "probe", log=lambda s: None).build_context()
+    ctx, method = open_run(prepare(cfg), tmp_path / "probe")
     method.setup()
     _, x, y = method.labeled()
     start = method.global_head()

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from fedguide.config import build_config
-from fedguide.fl.engine import Experiment
-from fedguide.fl.setup import prepare
+from fedguide.fl.setup import open_run, prepare
 from fedguide.methods import ClientContext
 from fedguide.registry import ConfigError
 from tests.tiny import run_tiny, tiny_raw
@@ -24,8 +23,8 @@ def labeled_config(tiny_unclip, feature_cache, **method):
 
 
 def test_labeled_clients_upload_groups_of_their_own_classes(tiny_unclip, feature_cache, tmp_path):
-    ctx, method = Experiment(prepare(labeled_config(tiny_unclip, feature_cache, client_labels="own")),
-                             tmp_path / "run", log=lambda s: None).build_context()
+    ctx, method = open_run(prepare(labeled_config(tiny_unclip, feature_cache, client_labels="own")),
+                             tmp_path / "run")
     method.setup()
     payload = method.server_payload(1, 0, ctx.initial_weights)
     data = ctx.data.client(0)

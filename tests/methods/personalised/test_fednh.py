@@ -10,8 +10,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from fedguide.config import TrainConfig
-from fedguide.fl.engine import Experiment
-from fedguide.fl.setup import prepare
+from fedguide.fl.setup import open_run, prepare
 from fedguide.core.seeding import derive_seed
 from fedguide.methods import METHODS, ClientContext
 from fedguide.methods.personalised.fednh import (PROTOTYPE_SEED_KEY, FedNH, FedNHParams, aggregate_class_means, cosine_logits,
@@ -182,7 +181,7 @@ def test_learns_with_unit_prototypes_and_zero_bias(tmp_path):
     init = spread_prototypes(10, 64, derive_seed(1, "model", PROTOTYPE_SEED_KEY))
     assert not torch.allclose(w["head.weight"], init, atol=1e-3)  # the prototypes moved towards the data
     # Cosine argmax = the plain head's argmax when prototypes are unit and the bias is zero.
-    ctx, _ = Experiment(prepare(config(method={"name": "fednh"})), tmp_path / "x", log=lambda s: None).build_context()
+    ctx, _ = open_run(prepare(config(method={"name": "fednh"})), tmp_path / "x")
     global_w = load_file(run_dir / "checkpoints" / "last.safetensors")["global"]
     assert ctx.evaluator.evaluate(global_w)["accuracy"] == pytest.approx(rows[-1]["accuracy"])
 

@@ -8,8 +8,7 @@ from safetensors import safe_open
 from torch import nn
 
 from fedguide.data.federated import ClientData
-from fedguide.fl.engine import Experiment
-from fedguide.fl.setup import prepare
+from fedguide.fl.setup import open_run, prepare
 from fedguide.core.state import ClientStateStore
 from fedguide.methods import METHODS, ClientContext
 from fedguide.methods.personalised.fedproto import (FedProto, FedProtoParams, aggregate_prototypes, class_feature_means,
@@ -169,7 +168,7 @@ def test_private_weights_keep_one_model_per_client(tmp_path):
     assert all("weights" in s for s in states)
     assert not torch.equal(states[0]["weights"], states[1]["weights"])
     # Recompute the reported mean accuracy from the stored client models and the checkpointed prototypes.
-    ctx, _ = Experiment(prepare(config(**over)), tmp_path / "scratch", log=lambda s: None).build_context()
+    ctx, _ = open_run(prepare(config(**over)), tmp_path / "scratch")
     state = checkpoint_state(run_dir)
     accs = []
     for s in states:

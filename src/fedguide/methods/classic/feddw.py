@@ -1,4 +1,5 @@
-"""FedDW (papers/feddw.md): consistency between soft labels and classification-layer weights.
+"""FedDW ("FedDW: Distilling Weights through Consistency Optimization in Heterogeneous Federated Learning"):
+consistency between soft labels and classification-layer weights.
 
 Client n, after local training, computes its soft-label (SL) matrix (Eq. 4–6):
     Ω_n[i, :] = mean over its training samples of class i of softmax(f(x)),

@@ -1,4 +1,5 @@
-"""FedDifRC (papers/feddifrc.md): diffusion representations steering local training.
+"""FedDifRC ("FedDifRC: Unlocking the Potential of Text-to-Image Diffusion Models in Heterogeneous Federated
+Learning"): diffusion representations steering local training.
 
 Local objective (Eq. 14): L = L_CE + λ_TDCL·L_TDCL + λ_NDCR·L_NDCR (λ = 1 in the paper); server: FedAvg.
 
@@ -19,7 +20,7 @@ Local objective (Eq. 14): L = L_CE + λ_TDCL·L_TDCL + λ_NDCR·L_NDCR (λ = 1 i
   features of a seeded subset of the training pool, scored on the test set (``accuracy`` and
   ``probe_accuracy``).
 
-Decisions (SPEC "FedDifRC"; each is an option, default first)
+Decisions where the paper is silent (each is an option, default first)
 - ``condition_refresh: never``: F̃ computed once per sample and class prompt without the model condition
   and cached (the paper's own 1.48x FedAvg wall time is only consistent with stored features, and the
   released code loads precomputed ones). ``round``: the paper's literal variant: once per round, each

@@ -21,9 +21,9 @@ baseline serves.
 
 Hyperparameters and what they mean:
 - λ (``lam``, default 0.6): the similarity threshold above which a positive pair is penalised.
-  FedDifRC's appendix (its baseline hyperparameters, papers/feddifrc.md) tunes "FedRCL λ" over
-  {0.2, 0.4, 0.6, 0.8} and selects 0.6, with β 1.0 (SPEC: "FedRCL (λ 0.6, β 1.0)"): the setting of the
-  comparison this project reproduces. FedRCL's released config (configs/client/fedrcl.yaml: the
+  FedDifRC's appendix (its baseline hyperparameters, the FedDifRC paper) tunes "FedRCL λ" over
+  {0.2, 0.4, 0.6, 0.8} and selects 0.6, with β 1.0 (FedRCL at λ 0.6, β 1.0): the setting of the
+  comparison this project reproduces. FedRCL's released config (skynbe/FedRCL/configs/client/fedrcl.yaml: the
   ``metric2`` pair, ``threshold: 0.7``) uses 0.7: ``lam: 0.7`` is FedRCL's own default. FedDifRC calls λ
   "the regularization coefficient"; the only FedRCL setting on a 0-1 grid besides the weights (all 1
   in the released config) is this threshold, which is how it is read here.

@@ -1,4 +1,5 @@
-"""SemanticFL (papers/semanticfl.md): diffusion-guided semantic consistency.
+"""SemanticFL ("Diffusion-Guided Semantic Consistency for Multimodal Heterogeneity"): diffusion-guided
+semantic consistency.
 
 Local objective (Eq. 7): L = L_CE + λ_KD·L_KD + λ_CON·L_CON (λ_KD = 1, λ_CON = 0.01); server: FedAvg over
 the sampled clients (Eq. 8; 5 of 10 clients per round in the paper: a config matter, see
@@ -15,7 +16,7 @@ configs/semanticfl_fmnist.yaml).
 - L_CON (Eq. 6) = −mean_i log(e^{s⁺/τ} / (e^{s⁺/τ} + Σ_{j≠y_i} e^{s⁻_j/τ})) with s = cos(f_i, W e_j),
   τ = 0.05: cross-entropy over the C class similarities, the positive in the denominator.
 
-Decisions (SPEC "SemanticFL"; each an option, default first)
+Decisions where the paper is silent (each an option, default first)
 - ``layers``: every block of the UNet: down.0-3, mid, up.0-3 ("encoder, bottleneck and decoder blocks";
   the paper names no blocks). All of them cost one UNet pass, like any subset ending in up.3, and give
   the most features to reduce: the embedded UNet's blocks concatenate to 1024 channels, enough for

@@ -1,4 +1,4 @@
-"""FedDISC's one-shot client protocol (papers/feddisc.md Sec. 3.2, steps 1-3), shared by ``feddisc`` and
+"""FedDISC's one-shot client protocol (the FedDISC paper Sec. 3.2, steps 1-3), shared by ``feddisc`` and
 ``centroid_finetune``; the two differ only in what the server does with the uploads.
 
 1. Server: prototypes p_j = class means of f over its labeled set (Eq. 2), sent to every client.

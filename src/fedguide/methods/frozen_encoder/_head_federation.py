@@ -1,5 +1,5 @@
 """Multi-round federated training of a linear head on the frozen image encoder (FedDISC's multi-round
-baselines FedAvg-sm, SemiFL and RSCFed; papers/feddisc.md Sec. 4.1: "a composite of a pre-trained CLIP and
+baselines FedAvg-sm, SemiFL and RSCFed; the FedDISC paper Sec. 4.1: "a composite of a pre-trained CLIP and
 a linear classifier ... we freeze the pre-trained CLIP and only fine-tune the additional classifier").
 
 The global model is the head {weight [C, D], bias [C]} on f = B·E(x)/‖E(x)‖ (see _frozen_encoder); it is

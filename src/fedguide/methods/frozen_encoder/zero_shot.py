@@ -1,4 +1,4 @@
-"""CLIP zero-shot (FedDISC's "CLIP Zero-shot" baseline, papers/feddisc.md Sec. 4.1): every test image gets
+"""CLIP zero-shot (FedDISC's "CLIP Zero-shot" baseline, the FedDISC paper Sec. 4.1): every test image gets
 the class whose prompt's text embedding is most similar (cosine) to its image embedding, with the guidance
 model's image encoder and its aligned text tower. No client takes part in any way and nothing is trained.
 
