@@ -320,6 +320,34 @@ def test_resolved_yaml_lists_defaults(tmp_path):
     assert "alpha" in dumped["partition"]
 
 
+# ---- closed sets typed from where they are defined --------------------------------------------------
+
+@pytest.mark.parametrize("raw, key, choices", [
+    ({"train": {"augment": "flip"}}, "train.augment", ["none", "crop", "crop_flip", "autoaugment"]),
+    ({"logging": ["csv", "tensorbord"]}, "logging.1", ["csv", "tensorboard", "wandb"]),
+    ({"train": {"device": "gpu"}}, "train.device", ["auto", "cpu", "cuda", "cuda:N", "mps", "simulated"]),
+    ({"guidance": {"device": "cuda:x"}}, "guidance.device", ["auto", "cpu", "cuda", "cuda:N", "mps", "simulated"]),
+])
+def test_a_wrong_choice_is_refused_at_load_with_the_choices(tmp_path, raw, key, choices):
+    with pytest.raises(ConfigError) as exc:
+        load_config(write_yaml(tmp_path / "c.yaml", raw))
+    line = next(line for line in str(exc.value).splitlines() if line.strip().startswith(f"{key}:"))
+    assert all(c in line for c in choices), line
+    assert "write" in line, "the line names the fix"
+
+
+def test_the_typed_choices_are_those_defined_where_they_are_used():
+    from fedguide.core.device import DEVICE_NAMES
+    from fedguide.data.augment import AUGMENTATIONS
+    from fedguide.fl.loggers import LOGGERS
+
+    for device in (*DEVICE_NAMES, "cuda:0", "cuda:12"):
+        assert build_config({"train": {"device": device}, "guidance": {"device": device}}).train.device == device
+    for augment in AUGMENTATIONS:
+        assert build_config({"train": {"augment": augment}}).train.augment == augment
+    assert build_config({"logging": LOGGERS.names()}).logging == LOGGERS.names()
+
+
 # ---- resolved once, into types ------------------------------------------------------------------------
 
 def test_resolving_parses_each_named_section_once_and_the_run_never_again(monkeypatch, tmp_path):

@@ -88,7 +88,7 @@ def test_the_cycle_finder_finds_a_cycle():
 BELOW = {
     "fedguide.core": {"fedguide.registry"},  # the errors a user sees (ConfigError) sit below everything
     "fedguide.registry": set(),
-    "fedguide.config": {"fedguide.registry"},
+    "fedguide.config": {"fedguide.registry", "fedguide.core"},  # the device specs a config may name
     "fedguide.models": {"fedguide.registry", "fedguide.config"},
     "fedguide.data": {"fedguide.core", "fedguide.registry", "fedguide.config", "fedguide.models"},
     "fedguide.guidance": {"fedguide.core", "fedguide.registry", "fedguide.config", "fedguide.data",

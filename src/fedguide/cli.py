@@ -54,7 +54,9 @@ def cmd_run(args) -> int:
     if args.reuse_synthetic:
         args.overrides = list(args.overrides) + [f"method.reuse_synthetic={args.reuse_synthetic}"]
     if args.dry_run:
-        print(api.dry_run(args.config, args.overrides, args.sweep), end="")
+        from fedguide.config import choices_comment
+
+        print(choices_comment() + api.dry_run(args.config, args.overrides, args.sweep), end="")
         return 0
     console = _console()
     if not args.sweep:
@@ -148,8 +150,10 @@ def cmd_client(args) -> int:
 
 
 def registry_listing() -> dict[str, list[dict]]:
+    from fedguide.config import choices
     from fedguide.data.partition import PARTITIONS
     from fedguide.data.sources import DATASETS
+    from fedguide.fl.loggers import LOGGERS
     from fedguide.methods import METHODS
     from fedguide.methods.compose import REGULARIZERS
     from fedguide.models import MODELS
@@ -158,8 +162,12 @@ def registry_listing() -> dict[str, list[dict]]:
         return [{"name": e.name, "summary": e.summary,
                  "params": {k: f.get_default(call_default_factory=True) for k, f in e.params.model_fields.items()}} for e in reg.entries()]
 
+    # The closed sets a config names besides the registries' entries (train.device, train.augment).
+    fixed = {kind: [{"name": n, "summary": summary, "params": {}} for n, summary in named.items()]
+             for kind, named in choices().items()}
     return {"methods": rows(METHODS), "regularizers": rows(REGULARIZERS), "datasets": rows(DATASETS),
-            "partitions": rows(PARTITIONS), "models": rows(MODELS), "runtimes": rows(RUNTIMES)}
+            "partitions": rows(PARTITIONS), "models": rows(MODELS), "runtimes": rows(RUNTIMES), **fixed,
+            "loggers": rows(LOGGERS)}
 
 
 def cmd_list(args) -> int:

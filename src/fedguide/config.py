@@ -2,21 +2,64 @@
 
 Sections with a ``name`` (data, partition, model, method, runtime) carry the named entry's own parameters;
 those are validated against the entry's ``Params`` model, so every default lives in one place and
-the resolved config written to a run directory lists them all.
+the resolved config written to a run directory lists them all. ``fl.setup.resolve`` parses each of them
+once into a ``ResolvedConfig`` (entry + parsed parameters per section), which every later step reads.
 """
 from __future__ import annotations
 
 import copy
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
+from fedguide.core.device import DEVICE_NAMES, DEVICE_SUMMARIES
 from fedguide.registry import ConfigError, Parsed, bool_for_number
+
+# The closed sets of choices a config names are types, so a wrong value is refused when the config is loaded,
+# with the choices, not when a run reaches the code that reads it. The device specs come from core/device.py,
+# which resolves them. The augmentation recipes are defined here, as data/augment.py (a layer above) implements
+# them. The logging back-ends are registered in fl/loggers.py (``LOGGERS``), which no layer below fl may
+# import, so their names are written here and the tests hold the two equal.
+AUGMENTATIONS = {"none": "no augmentation",
+                 "crop": "random crop after 4 px zero padding (no flips: digits)",
+                 "crop_flip": "crop + horizontal flip with p = 0.5 (the CIFAR recipe)",
+                 "autoaugment": "crop_flip + AutoAugment's ImageNet policy (three-channel images)"}
+LOGGER_NAMES = ("csv", "tensorboard", "wandb")
+AugmentName = Literal[tuple(AUGMENTATIONS)]
+LoggerName = Literal[LOGGER_NAMES]
+DeviceName = Literal[DEVICE_NAMES]
+_CUDA_INDEX = re.compile(r"^cuda:\d+$")
+
+
+def _device_spec(value: Any) -> Any:
+    # One sentence with every choice, instead of pydantic's two errors (one per member of the union below).
+    if isinstance(value, str) and (value in DEVICE_NAMES or _CUDA_INDEX.match(value)):
+        return value
+    raise ValueError(f"{value!r} is not a device; write one of {', '.join(DEVICE_SUMMARIES)}")
+
+
+# cuda:N is open-ended, so it is a pattern beside the names' Literal.
+DeviceSpec = Annotated[Union[DeviceName, Annotated[str, StringConstraints(pattern=_CUDA_INDEX.pattern)]],
+                       BeforeValidator(_device_spec)]
+
+
+def choices() -> dict[str, dict[str, str]]:
+    """The device specs and augmentation recipes, each with its one-line summary (``fedguide list``; the
+    logging back-ends are ``LOGGERS``' entries)."""
+    return {"devices": dict(DEVICE_SUMMARIES), "augmentations": dict(AUGMENTATIONS)}
+
+
+def choices_comment() -> str:
+    """The choices as YAML comment lines (``fedguide run --dry-run`` prints them above the resolved config)."""
+    return (f"# train.device, guidance.device: one of {', '.join(DEVICE_SUMMARIES)}\n"
+            f"# train.augment: one of {', '.join(AUGMENTATIONS)}\n"
+            f"# logging: any of {', '.join(LOGGER_NAMES)} (fedguide list describes each choice)\n")
 
 
 class Typed(BaseModel):
@@ -83,14 +126,14 @@ class TrainConfig(Strict):
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(1e-5, ge=0.0)
     eval_batch_size: int = Field(1024, ge=1)
-    device: str = Field("auto", description="where the model trains and is evaluated: auto (cuda when available, "
-                                            "else cpu), cpu, cuda or cuda:N")
+    device: DeviceSpec = Field("auto", description="where the model trains and is evaluated: auto (cuda when "
+                                                   "available, else cpu), cpu, cuda, cuda:N, mps or simulated")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="autocast of the forward passes: bf16 (GPU or CPU) or fp16 (GPU, with gradient scaling)")
     channels_last: bool = Field(False, description="train convolutional models in the channels-last memory format")
     compile: bool = Field(False, description="torch.compile the model's forward for training")
-    augment: str = Field("none", description="training augmentation on the device: none, crop, crop_flip, "
-                                             "autoaugment (data/augment.py)")
+    augment: AugmentName = Field("none", description="training augmentation on the device: none, crop, crop_flip, "
+                                                     "autoaugment (data/augment.py)")
     deterministic: bool = Field(False, description="deterministic algorithms (and cuBLAS's fixed workspace): the "
                                                    "same run twice on one GPU gives the same metrics")
 
@@ -107,7 +150,7 @@ class GuidanceConfig(Strict):
         None, description="CLIP image encoder: a hub id or folder of a CLIPModel (zero-shot available) or a "
                           "CLIPVisionModelWithProjection; null = the pipeline's own image_encoder/ if it has one; "
                           "'none' = no image encoder")
-    device: str = Field("auto", description="auto = cuda when available, else cpu")
+    device: DeviceSpec = Field("auto", description="auto = the run's train.device")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="auto = float16 on a GPU, float32 on a CPU")
     feature_cache: Optional[str] = Field(
@@ -218,7 +261,7 @@ class Config(Strict):
         default_factory=list, description="terms added to any method's local objective, e.g. [dw]")
     seed: int = 0
     report: ReportConfig = ReportConfig()
-    logging: list[Literal["csv", "tensorboard", "wandb"]] = Field(
+    logging: list[LoggerName] = Field(
         default_factory=list, description="metric loggers beside metrics.jsonl (fl/loggers.py): csv (metrics.csv), "
                                           "tensorboard (<run>/tensorboard/), wandb (when installed); any of them")
     eval: EvalConfig = EvalConfig()
@@ -328,6 +371,8 @@ def _format_errors(err: ValidationError) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "literal_error":
+            msg = f"{e['input']!r} is not one of the choices; write {e['ctx']['expected']}"
         if e["type"] == "extra_forbidden":
             section = e["loc"][:-1]
             model: Any = Config

@@ -63,6 +63,10 @@ def test_list_json_names_every_registry():
     assert {"cnn", "resnet10", "resnet18", "resnet34", "resnet50", "mobilenetv2", "mobilenetv3_small",
             "shufflenetv2", "vgg16_bn", "bilstm"} <= names["models"]
     assert "dw" in names["regularizers"]
+    # The closed sets a config names: what train.device, train.augment and logging accept.
+    assert names["devices"] == {"auto", "cpu", "cuda", "cuda:N", "mps", "simulated"}
+    assert names["augmentations"] == {"none", "crop", "crop_flip", "autoaugment"}
+    assert names["loggers"] == {"csv", "tensorboard", "wandb"}
 
 
 def test_dry_run_validates_and_trains_nothing(tmp_path):
@@ -70,6 +74,7 @@ def test_dry_run_validates_and_trains_nothing(tmp_path):
     out = cli("run", str(cfg), "--dry-run", "--out", str(tmp_path / "run"), "method.name=fedprox", "method.mu=0.5")
     resolved = yaml.safe_load(out.stdout.split("partition summary:")[0])
     assert resolved["method"] == {"name": "fedprox", "mu": 0.5, "gradient": "direct"}
+    assert "# train.augment: one of none, crop, crop_flip, autoaugment\n" in out.stdout  # the choices, as comments
     summary_line = json.loads(out.stdout.split("partition summary:")[1])
     assert summary_line["num_clients"] == 4
     assert not (tmp_path / "run").exists()
@@ -84,6 +89,8 @@ def test_dry_run_validates_and_trains_nothing(tmp_path):
         ("clients.per_round=9", "lower clients.per_round"),
         ("partition.name=nid2", "clients.num"),
         ("model.name=cnn", "at least 12x12"),
+        ("train.augment=flip", "write 'none', 'crop', 'crop_flip' or 'autoaugment'"),
+        ("train.device=gpu", "write one of auto, cpu, cuda, cuda:N, mps, simulated"),
     ],
 )
 def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path, override, expected):

@@ -17,7 +17,13 @@ import torch
 from fedguide.core import simulated
 from fedguide.registry import ConfigError
 
-DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps|simulated)$")
+# The device specs a config may name (``train.device``, ``guidance.device``), besides ``cuda:N``; the config's
+# types are built from them, so a wrong one is refused when the config is loaded.
+DEVICE_NAMES = ("auto", "cpu", "cuda", "mps", simulated.NAME)
+DEVICE_SUMMARIES = {"auto": "cuda when available, else cpu", "cpu": "the host", "cuda": "the current CUDA device",
+                    "cuda:N": "CUDA device N", "mps": "Apple's Metal device",
+                    simulated.NAME: "the CPU under the CUDA backend's rules (checks the GPU code paths)"}
+DEVICE_PATTERN = re.compile(rf"^({'|'.join(DEVICE_NAMES)}|cuda:\d+)$")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # cuBLAS needs a fixed workspace to give the same sums twice (PyTorch's reproducibility notes). CUDA reads
 # the variable once per process, at its first cuBLAS call, so it is set when fedguide is imported (see

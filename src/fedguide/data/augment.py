@@ -40,9 +40,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from fedguide.config import AUGMENTATIONS
 from fedguide.registry import ConfigError
 
-AUGMENTATIONS = ("none", "crop", "crop_flip", "autoaugment")
 PADDING = 4
 
 Augment = Callable[[torch.Tensor], torch.Tensor]
