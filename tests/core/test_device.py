@@ -13,6 +13,7 @@ from fedguide.data.augment import build_augment, check_augment
 from fedguide.data.device_data import DeviceData, as_uint8, bytes_needed
 from fedguide.data.sources._images import normalise
 from fedguide.data.sources.base import DatasetSplits
+from fedguide.fl.run_folder import RunFolder
 from fedguide.fl.setup import open_run, prepare
 from fedguide.registry import ConfigError
 from tests.tiny import run_tiny, tiny_config, without_timing
@@ -204,8 +205,7 @@ def test_checkpoints_and_client_state_are_on_the_cpu_and_resume_ignores_the_devi
     text = (run_dir / "config.yaml").read_text().replace("device: cpu", "device: auto").replace("rounds: 1", "rounds: 2")
     (run_dir / "config.yaml").write_text(text)
     from fedguide.fl.engine import Experiment
-    from fedguide.fl.setup import load_run_config
-    Experiment(prepare(load_run_config(run_dir)), run_dir, log=lambda s: None).run(resume=True)
+    Experiment(prepare(RunFolder(run_dir).read_config()), run_dir, log=lambda s: None).run(resume=True)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert without_timing(rows) == without_timing(whole)
 

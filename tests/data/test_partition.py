@@ -8,8 +8,13 @@ from fedguide.data.partition import (
     client_class_counts,
     longtail_indices,
 )
-from fedguide.data.scenarios import make_partition
+from fedguide.data.scenarios import make_scenario
 from fedguide.registry import ConfigError
+
+
+def make_partition(name, params, labels, num_clients, seed):
+    """The clients' index arrays of label-only partition ``name`` with a ``partition:`` section's parameters."""
+    return make_scenario(PARTITIONS.parse(name, params, "partition"), labels, num_clients, seed).clients
 
 
 def balanced_labels(num_classes=10, per_class=100, seed=0):

@@ -15,8 +15,9 @@ from fedguide.config import build_config, load_config
 from fedguide.core.checksums import cached_file_sha256
 from fedguide.fl.checkpoint import FILE, DamagedCheckpoint, load_checkpoint
 from fedguide.fl.engine import Experiment
+from fedguide.fl.run_folder import RunFolder
 from fedguide.fl.run_lock import RunFolderBusy, RunLock
-from fedguide.fl.setup import load_run_config, prepare
+from fedguide.fl.setup import prepare
 from fedguide.registry import ConfigError
 from tests.tiny import Crash, crash_after, run_tiny, tiny_config, without_timing
 
@@ -37,7 +38,7 @@ def test_a_second_run_into_a_finished_folder_is_refused_under_the_lock(tmp_path)
     run_tiny(tmp_path, tiny_config(), "run")
     with pytest.raises(ConfigError, match="already holds a run"):
         run_tiny(tmp_path, tiny_config(seed=9), "run")
-    assert load_run_config(tmp_path / "run").seed == 1  # the first run's files are untouched
+    assert RunFolder(tmp_path / "run").read_config().seed == 1  # the first run's files are untouched
 
 
 # ---- the config pinned by the checkpoint --------------------------------------------------------------
@@ -58,7 +59,7 @@ def edit_config(run_dir: Path, key: str, value) -> None:
 
 
 def resume(run_dir: Path):
-    return Experiment(prepare(load_run_config(run_dir)), run_dir, log=lambda s: None).run(resume=True)
+    return Experiment(prepare(RunFolder(run_dir).read_config()), run_dir, log=lambda s: None).run(resume=True)
 
 
 @pytest.mark.parametrize("key,value,named", [("train.lr", 0.5, "train.lr: 0.05 (checkpoint) vs 0.5"),

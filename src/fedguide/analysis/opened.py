@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint
-from fedguide.fl.setup import Prepared, load_run_config, open_run, prepare
+from fedguide.fl.run_folder import RunFolder
+from fedguide.fl.setup import Prepared, open_run, prepare
 from fedguide.methods import Method, RunContext
 from fedguide.methods.compose import Hooks
 from fedguide.models.split import SplitModel
@@ -32,7 +33,7 @@ class AnalysisRun:
         run_dir = Path(run_dir)
         if not run_dir.is_dir():
             raise ConfigError(f"{run_dir} is not a folder; pass the run folder that 'fedguide run' created")
-        self.config = load_run_config(run_dir)  # a sentence when there is no config.yaml
+        self.config = RunFolder(run_dir).read_config()  # a sentence when there is no config.yaml
         missing = [name for name in ("summary.json", "model.safetensors") if not (run_dir / name).is_file()]
         if missing:
             why = ("it stopped before its last round (stopped.json)" if (run_dir / "stopped.json").is_file()

@@ -19,7 +19,7 @@ Decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -209,12 +209,3 @@ def make_scenario(partition: Parsed, labels: np.ndarray, num_clients: int, seed:
             f"{num_clients} clients); use fewer clients.num or change the partition parameters"
         )
     return result
-
-
-def make_partition(
-    name: str, raw_params: dict[str, Any], labels: np.ndarray, num_clients: int, seed: int
-) -> list[np.ndarray]:
-    """The clients' index arrays of label-only partition ``name`` with the parameters ``raw_params`` (a
-    ``partition:`` section; see ``make_scenario``)."""
-    raw = {k: v for k, v in raw_params.items() if k != "name"}
-    return make_scenario(PARTITIONS.parse(name, raw, "partition"), labels, num_clients, seed).clients

@@ -13,7 +13,6 @@ from typing import Any, Optional, Union
 
 import numpy as np
 import torch
-import yaml
 
 from fedguide.config import SECTION_KEYS, Config, DataSection, ResolvedConfig, build_config
 from fedguide.core.device import (check_precision, computes_on_host, deterministic, device_rules, free_bytes,
@@ -238,11 +237,3 @@ def client_processes_on_device(ctx: RunContext, processes: int) -> Optional[str]
     free = free_bytes(ctx.device)  # with the server's own copy already there
     fits = decide_on_device(bytes_needed(ctx.data.splits), free, cfg.data.on_device, ctx.device, copies=processes)
     return "1" if fits else "0"
-
-
-def load_run_config(run_dir: Path) -> Config:
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise ConfigError(f"{run_dir} is not a fedguide run directory (no config.yaml); "
-                          "pass the folder a 'fedguide run' created")
-    return build_config(yaml.safe_load(path.read_text()))

@@ -44,7 +44,8 @@ from fedguide.fl.runtimes.flower.processes import (command_line, descendants, fl
                                                    log_tail, port_open, start, stop_tree, superlink_command)
 from fedguide.fl.runtimes.flower.protocol import APP_NAME, APP_PUBLISHER
 from fedguide.fl.runtimes.flower.security import TLSParams, check_certificate, check_exposure, public_keys_in
-from fedguide.fl.setup import Prepared, load_run_config, prepare
+from fedguide.fl.run_folder import RunFolder
+from fedguide.fl.setup import Prepared, prepare
 from fedguide.registry import ConfigError
 
 START_TIMEOUT_S = 300  # the SuperLink up, the ServerApp process started; a busy machine takes a while
@@ -70,7 +71,7 @@ def server_main(grid, context) -> None:
     log = _appender(flower_dir / "server.log")
     outcome: dict[str, Any] = {"status": "failed", "error": "the ServerApp stopped before the run began"}
     try:
-        cfg = load_run_config(run_dir) if resume else load_config(flower_dir / "requested-config.yaml")
+        cfg = RunFolder(run_dir).read_config() if resume else load_config(flower_dir / "requested-config.yaml")
         summary = deployed_experiment(prepare(cfg), run_dir, grid, log).run(resume=resume)
         outcome = {"status": "completed", "final_accuracy": summary["final_accuracy"]}
     except BaseException as err:
@@ -296,7 +297,7 @@ def serve(run_dir: Path, cfg: Optional[Config] = None, resume: bool = False, hos
 
     A ``host`` beyond loopback needs ``runtime.tls`` or ``insecure``."""
     if resume:
-        cfg = load_run_config(run_dir)
+        cfg = RunFolder(run_dir).read_config()
     elif cfg is None:
         raise ValueError("a new run needs its config")
     if cfg.runtime.name != "flower":

@@ -48,7 +48,8 @@ from fedguide.fl.runtimes.flower.messages import (FlowerClientFailed, FlowerRunt
                                                   train_reply)
 from fedguide.fl.runtimes.flower.processes import FLOWER_ENV, alive as _alive, descendants, stop_processes
 from fedguide.fl.runtimes.flower.records import encode
-from fedguide.fl.setup import load_run_config, open_run, prepare
+from fedguide.fl.run_folder import RunFolder
+from fedguide.fl.setup import open_run, prepare
 from fedguide.registry import ConfigError
 
 START_TIMEOUT_S = 300  # Ray and the SuperNodes up; a slow, busy machine takes tens of seconds
@@ -95,7 +96,7 @@ def _run_context(run_dir: str, threads: int):
     if run_dir not in _RUNS:
         _RUNS.clear()  # a new run replaces the old one: one copy of the data per process
         torch.set_num_threads(threads)
-        prepared = prepare(load_run_config(Path(run_dir)))
+        prepared = prepare(RunFolder(Path(run_dir)).read_config())
         ctx, method = open_run(prepared, Path(run_dir), setup=True)
         _RUNS[run_dir] = (ctx, method, prepared.config)
     torch.set_num_threads(threads)
