@@ -55,5 +55,5 @@ def test_cached_denoising_targets_add_no_matrix_product(feddifrc_run):
 
 
 def test_a_one_shot_method_has_no_local_step(sd_gen_run):
-    with pytest.raises(ConfigError, match="--flops does not apply.*trains its own way"):
+    with pytest.raises(ConfigError, match="--flops does not apply.*trains its clients in a loop of its own"):
         analyze(sd_gen_run, ["flops"])

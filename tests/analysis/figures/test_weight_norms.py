@@ -50,3 +50,34 @@ def test_client_rows_come_from_each_clients_stored_model(moon_run):
         assert entry["norms"] == pytest.approx(torch.linalg.norm(head, dim=1).tolist(), rel=1e-6)
         assert entry["counts"] == counts[cid].tolist()
         assert entry["class_share"] == pytest.approx((counts[cid] / counts[cid].sum()).tolist())
+
+
+def test_personal_heads_are_drawn_and_the_untrained_global_head_is_not(tmp_path):
+    """FedRep averages the body and keeps each client's head: the global head is its initialisation, so the
+    figure draws the clients' personal heads (from the client store) and says why the global one is missing."""
+    from tests.tiny import run_tiny, tiny_config
+
+    cfg = tiny_config(method={"name": "fedrep"}, clients={"num": 3, "per_round": 3}, train={"rounds": 2})
+    _, _, run_dir = run_tiny(tmp_path, cfg, name="fedrep")
+    analyze(run_dir, ["weight_norms"])
+    data = json.loads((run_dir / "analysis" / "weight_norms.json").read_text())
+    assert data["global"] is None and "untouched initial one" in data["used"][0]
+    run = AnalysisRun(run_dir)
+    store = ClientStateStore(run_dir / "client_state")
+    assert [c["client"] for c in data["clients"]] == [0, 1, 2]
+    for entry in data["clients"]:
+        personal = store.get(entry["client"])["personal"]  # the flat vector's tail, from where the body ends
+        start, span = run.ctx.layout.numel - personal.numel(), run.ctx.layout.span("head.weight")
+        head = personal[span.start - start: span.stop - start]
+        assert entry["state_key"] == "personal_model"
+        assert entry["norms"] == pytest.approx(torch.linalg.norm(head.view(10, -1), dim=1).tolist(), rel=1e-5)
+
+
+def test_equal_class_shares_are_said_not_left_as_a_puzzle():
+    """FedAvg on balanced data: every class's share is 0.1, so every point sits on one vertical line."""
+    from fedguide.analysis.figures.weight_norms import draw, model_entry
+
+    entry = model_entry(torch.rand(10, 4), np.full(10, 50))
+    assert entry["spearman"] is None
+    fig = draw({"global": entry, "clients": [], "method": "fedavg"})
+    assert "every class has the same share" in fig.axes[0].get_title()

@@ -103,8 +103,9 @@ class StepFlops(Figure):
 
     def applies(self, run: AnalysisRun) -> Optional[str]:
         if not uses_local_loop(run.built_method):
-            return (f"{run.method_label} trains its own way (one-shot or a head on a frozen encoder: Method.fit is "
-                    "overridden), so it has no local step of the run's model to count")
+            return (f"{run.method_label} trains its clients in a loop of its own (Method.fit is overridden: FedRep's "
+                    "head and body phases, Per-FedAvg's meta-steps, a one-shot client's own architecture, a head on a "
+                    "frozen encoder, ...), so one step of the default local loop would not be its cost")
         if not any(len(c) for c in run.prepared.data.client_indices):
             return "no client holds any training sample"
         return None

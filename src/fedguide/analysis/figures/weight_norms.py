@@ -4,9 +4,12 @@ Fig. 4: ‖ω_c‖ is negatively correlated with the proportion of class c).
 What is measured
 - The final global model: ‖ω_c‖ of model.safetensors' head against the class's share of all clients'
   training data (partition.json counts summed over the clients), when the run trained a global model.
-- Client models, where the run folder keeps them: a client's last local model as the methods that hold
-  one store it in the client's state (``CLIENT_MODEL_KEYS``: Local and FedProto without shared weights keep
-  ``weights``, MOON keeps ``prev_weights``), against that client's own class shares.
+- Client models, where the run keeps them: each client's personalised model where the method keeps one
+  (``Method.personal_model`` overridden: FedRep's and FedPer's personal heads, FedBABU, ...), else a client's
+  last local model as the methods that hold one store it in the client's state (``CLIENT_MODEL_KEYS``: Local
+  and FedProto without shared weights keep ``weights``, MOON keeps ``prev_weights``), against that client's
+  own class shares. A global head that never left its initialisation (the method keeps heads on the clients)
+  is not drawn.
 - Per model: the norms, the relative norms ‖ω_c‖ / Σ_i ‖ω_i‖ (the numbers under FedDW Fig. 4's circles)
   and Spearman's rank correlation between norm and share (null when the shares are all equal, as under IID).
 """
@@ -20,6 +23,7 @@ import torch
 
 from fedguide.analysis.figure import FIGURES, Figure
 from fedguide.analysis.output import new_figure, save_numbers, save_png
+from fedguide.methods.base import Method
 
 if TYPE_CHECKING:
     from fedguide.analysis.opened import AnalysisRun
@@ -54,9 +58,20 @@ def model_entry(weight: torch.Tensor, counts: np.ndarray) -> dict[str, Any]:
             "spearman": rank_correlation(norms, share)}
 
 
+def keeps_personal_models(run: AnalysisRun) -> bool:
+    """Whether the method keeps a model of each client's own (FedRep's and FedPer's personal heads, FedBABU's
+    fine-tuned models, ...): it overrides ``Method.personal_model``."""
+    return type(run.built_method).personal_model is not Method.personal_model
+
+
 def client_models(run: AnalysisRun) -> list[tuple[int, str, torch.Tensor]]:
-    """(client, state key, flat weights) of every client whose state holds its last local model."""
+    """(client, where it came from, flat weights) of every client with a model of its own: the method's
+    personalised model of the last round where it keeps one, else the last local model a client's state holds."""
     ctx, out = run.ctx, []
+    if keeps_personal_models(run):
+        method, last = run.method(), int(run.summary.get("rounds") or run.config.train.rounds)
+        return [(cid, "personal_model", method.personal_model(last, cid, run.final_weights.to(run.device)))
+                for cid in range(ctx.num_clients)]
     for cid in range(ctx.num_clients):
         state = ctx.store.get(cid)
         for key in CLIENT_MODEL_KEYS:
@@ -95,10 +110,14 @@ class WeightNorms(Figure):
             "run": str(run.run_dir), "method": run.method_label, "class_names": run.class_names,
             "used": [], "global": None, "clients": [],
         }
-        if run.trained:
+        initial_head = head_of(run, run.ctx.initial_weights)
+        if run.trained and not torch.equal(run.head_weight().cpu(), initial_head.cpu()):
             numbers["global"] = model_entry(run.head_weight(), counts.sum(axis=0))
             numbers["used"].append("the final global head (model.safetensors) against the class shares of all clients' "
                                    "training data (partition.json counts)")
+        elif run.trained:  # FedRep, FedPer: the server averages the body; each client keeps and trains its own head
+            numbers["used"].append("not the global head: it is the untouched initial one (the method keeps the "
+                                   "classification layer on the clients)")
         stored = client_models(run)
         for cid, key, weights in stored:
             numbers["clients"].append({"client": cid, "state_key": key, **model_entry(head_of(run, weights), counts[cid])})
@@ -109,6 +128,10 @@ class WeightNorms(Figure):
         else:
             numbers["used"].append("no client models: the run folder keeps none (only methods that hold a client's "
                                    "last model in its state do)")
+        if numbers["global"] is not None and numbers["global"]["spearman"] is None:
+            numbers["used"].append("every class has the same share of the clients' data together, so the global panel "
+                                   "cannot show the relation; FedDW Fig. 4's is within one client's skewed data (the "
+                                   "client panels, for methods that keep client models)")
         png = save_png(draw(numbers), run.out_dir / "weight_norms.png")
         return [png, save_numbers(run.out_dir / "weight_norms.json", numbers)]
 
@@ -129,6 +152,8 @@ def draw(numbers: dict):
                     ax.annotate(str(c), (x, y), fontsize="x-small", xytext=(3, 3), textcoords="offset points")
         rhos = [e["spearman"] for e in entries if e["spearman"] is not None]
         rho = f", Spearman ρ {np.mean(rhos):+.2f}" + (" (mean)" if len(entries) > 1 else "") if rhos else ""
+        if not rhos:  # every point on one vertical line: say why instead of leaving a puzzle
+            rho = "\n(every class has the same share: no relation to show)"
         ax.set_title(title + rho, fontsize="medium")
         ax.set_xlabel("share of the class in the data")
         ax.set_ylabel("‖ω_c‖ / Σ_i ‖ω_i‖")
