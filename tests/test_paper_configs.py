@@ -147,8 +147,8 @@ def test_config_runs_its_papers_method_and_guidance(path: Path):
 
 def test_header_commands_are_parsed(tmp_path):
     """The command parser expands sweeps as the CLI does: fixed overrides first, then the grid."""
-    cfg = tmp_path / "x.yaml"
-    cfg.write_text("# h\n#   fedguide run CONFIG a.b=1 --sweep c=1,2 --sweep d=3,4\nseed: 0\n")
+    cfg = tmp_path / "feddw_mnist_practical.yaml"  # a header runs its own file, named as a shipped one
+    cfg.write_text("# h\n#   fedguide run configs/paper/feddw_mnist_practical.yaml a.b=1 --sweep c=1,2 --sweep d=3,4\nseed: 0\n")
     assert documented_runs(cfg) == [["a.b=1", "c=1", "d=3"], ["a.b=1", "c=1", "d=4"],
                                     ["a.b=1", "c=2", "d=3"], ["a.b=1", "c=2", "d=4"]]
 

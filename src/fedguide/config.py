@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from fedguide.core.device import DEVICE_NAMES, DEVICE_SUMMARIES
-from fedguide.registry import ConfigError, Parsed, bool_for_number
+from fedguide.registry import ConfigError, Parsed, bool_for_number, did_you_mean
 
 # The closed sets of choices a config names are types, so a wrong value is refused when the config is loaded,
 # with the choices, not when a run reaches the code that reads it. The device specs come from core/device.py,
@@ -333,6 +333,10 @@ def _split_override(item: Union[str, tuple[str, Any]]) -> tuple[list[str], Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"override key '{key}' is malformed; write dotted keys like method.mu=0.01")
+    if len(parts) == 1 and parts[0] in NAMED_SECTIONS and not isinstance(value, dict):
+        # Hydra's and FL-bench's habit (method=fedprox): here it would replace the whole section by a word.
+        raise ConfigError(f"override '{key}={value}' would replace the {parts[0]} section; write "
+                          f"{parts[0]}.name={value}")
     return parts, value
 
 
@@ -366,6 +370,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[Union[str, tuple[str, A
     return out
 
 
+# Sections that name a registry entry (``{name: x, **its parameters}``).
+NAMED_SECTIONS = ("data", "partition", "model", "method", "runtime")
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -378,8 +386,13 @@ def _format_errors(err: ValidationError) -> str:
             model: Any = Config
             for p in section:
                 model = model.model_fields[p].annotation if p in getattr(model, "model_fields", {}) else None
-            valid = ", ".join(getattr(model, "model_fields", {})) if model else ""
-            msg = f"unknown key{'; valid keys: ' + valid if valid else ''}"
+            fields = list(getattr(model, "model_fields", {})) if model else []
+            valid = ", ".join(fields)
+            msg = f"unknown key{did_you_mean(str(e['loc'][-1]), fields)}{'; valid keys: ' + valid if valid else ''}"
+        if e["type"] in ("dict_type", "model_type") and len(e["loc"]) == 1 and e["loc"][0] in NAMED_SECTIONS:
+            # Hydra's and FL-bench's habit: a section given its entry's name directly.
+            msg = (f"{e['input']!r} is not a section; a section names its entry with name: write "
+                   f"{e['loc'][0]}: {{name: {e['input']}}} (on the command line {e['loc'][0]}.name={e['input']})")
         lines.append(f"{loc}: {msg}")
     return "invalid config:\n  " + "\n  ".join(lines)
 

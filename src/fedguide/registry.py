@@ -24,6 +24,14 @@ class ConfigError(ValueError):
     """A configuration problem; the message says what to change."""
 
 
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """" (did you mean 'x'?)" for the closest of ``choices`` to a mistyped ``word``; "" when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def _numeric(annotation: Any) -> bool:
     """Whether a field takes numbers and not booleans (int, float, Optional/Union/Annotated of them)."""
     if annotation in (int, float):
@@ -125,7 +133,8 @@ class Registry(Generic[T]):
     def get(self, name: str) -> Entry[T]:
         self._load()
         if name not in self._entries:
-            raise ConfigError(f"unknown {self.kind} '{name}'; valid choices: {', '.join(self.names())}")
+            raise ConfigError(f"unknown {self.kind} '{name}'{did_you_mean(name, self.names())}; valid choices: "
+                              f"{', '.join(self.names())}")
         return self._entries[name]
 
     def parse(self, name: str, raw: dict[str, Any], where: str) -> Parsed[T]:
@@ -146,6 +155,7 @@ class Registry(Generic[T]):
             problems = "; ".join(
                 f"{'.'.join([where, *(str(p) for p in e['loc'])])}: "
                 + (f"{self.kind} '{name}' has no parameter '{e['loc'][0]}'"
+                   f"{did_you_mean(str(e['loc'][0]), list(entry.params.model_fields))}"
                    if e["type"] == "extra_forbidden" and len(e["loc"]) == 1 else e["msg"].removeprefix("Value error, "))
                 for e in err.errors()
             )
