@@ -96,10 +96,12 @@ def per_client_accuracy(run_dir: Path, classes: list[list[int]]) -> list[float]:
     import torch
     from safetensors.torch import load_file
 
-    from fedguide.fl.setup import load_run_config, prepare
+    from fedguide.fl.run_folder import RunFolder
+
+    from fedguide.fl.setup import prepare
     from fedguide.models import build_model
 
-    prepared = prepare(load_run_config(run_dir))
+    prepared = prepare(RunFolder(run_dir).read_config())
     splits = prepared.data.splits
     model = build_model(prepared.config.model.name, prepared.resolved.model.params, splits.model_spec())
     model.load_state_dict(load_file(run_dir / "model.safetensors"))

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from fedguide.fl.engine import TIMING_METRICS, Experiment
-from fedguide.fl.setup import load_run_config, prepare
+from fedguide.fl.run_folder import RunFolder
+from fedguide.fl.setup import prepare
 from fedguide.methods import METHODS
 
 pytestmark = [pytest.mark.gpu,
@@ -106,7 +107,7 @@ def test_resume_from_a_gpu_checkpoint_on_the_cpu(tmp_path):
     run_dir = tmp_path / "split"
     text = (run_dir / "config.yaml").read_text().replace("device: cuda", "device: cpu").replace("rounds: 2", "rounds: 3")
     (run_dir / "config.yaml").write_text(text)
-    Experiment(prepare(load_run_config(run_dir)), run_dir, log=lambda s: None).run(resume=True)
+    Experiment(prepare(RunFolder(run_dir).read_config()), run_dir, log=lambda s: None).run(resume=True)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # rounds 1-2 on CUDA, round 3 on the CPU from CUDA's checkpoint: round 3's loss as the all-CUDA run's
     assert [r["round"] for r in rows] == [1, 2, 3]
