@@ -4,23 +4,17 @@ every pass. The simulated device catches it when it runs; this keeps it from bei
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-import fedguide.methods
+from tests.methods.source_scan import METHODS_DIR, matching_lines
 
-METHODS_DIR = Path(fedguide.methods.__file__).parent
 HOST_DATA = re.compile(r"\b(?:data|ctx\.data|client)\.(?:x|y)\s*\[")
 # Where the host fallback lives: ClientContext.batch and _personalise.batch_at without device data.
 FALLBACKS = {"context.py": 1, "_personalise.py": 1}
 
 
 def test_methods_read_client_data_through_ctx_batch():
-    found = {}
-    for path in sorted(METHODS_DIR.rglob("*.py")):
-        hits = [n for n, line in enumerate(path.read_text().splitlines(), 1)
-                if HOST_DATA.search(line) and not line.lstrip().startswith("#")]
-        if len(hits) > FALLBACKS.get(path.name, 0):
-            found[str(path.relative_to(METHODS_DIR))] = hits
+    found = {str(path.relative_to(METHODS_DIR)): hits for path, hits in matching_lines(HOST_DATA).items()
+             if len(hits) > FALLBACKS.get(path.name, 0)}
     assert not found, f"host tensors indexed in a method (use ctx.batch(indices)): {found}"
 
 

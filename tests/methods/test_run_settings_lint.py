@@ -4,21 +4,14 @@ without a Config (a test's, a client's) serves every method."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-import fedguide.methods
+from tests.methods.source_scan import METHODS_DIR, matching_lines
 
-METHODS_DIR = Path(fedguide.methods.__file__).parent
 WHOLE_CONFIG = re.compile(r"\brun\.config\b|\bctx\.config\b")
 
 
 def test_no_method_module_reads_the_whole_config():
-    found = {}
-    for path in sorted(METHODS_DIR.rglob("*.py")):
-        hits = [n for n, line in enumerate(path.read_text().splitlines(), 1)
-                if WHOLE_CONFIG.search(line) and not line.lstrip().startswith("#")]
-        if hits:
-            found[str(path.relative_to(METHODS_DIR))] = hits
+    found = {str(path.relative_to(METHODS_DIR)): hits for path, hits in matching_lines(WHOLE_CONFIG).items()}
     assert not found, f"a method reads run.config (use the RunContext field): {found}"
 
 

@@ -250,6 +250,7 @@ class FedDifRC(Method):
     """FedDifRC: CE + TDCL (conditional diffusion features) + NDCR (denoising diffusion features), FedAvg."""
 
     extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
+
     def __init__(self, params: FedDifRCParams, run):
         super().__init__(params, run)
         self.z_dim = int(run.model.feature_dim)

@@ -148,6 +148,7 @@ class SemanticFL(Method):
     """SemanticFL: CE + KD to offline diffusion features + InfoNCE to class-prompt text features, FedAvg."""
 
     extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
+
     def __init__(self, params: SemanticFLParams, run):
         super().__init__(params, run)
         self.z_dim = int(run.model.feature_dim)
