@@ -362,7 +362,8 @@ def test_resolving_parses_each_named_section_once_and_the_run_never_again(monkey
         return parse(self, name, raw, where)
 
     monkeypatch.setattr(Registry, "parse_params", counted)
-    cfg = tiny_config(method={"name": "fedprox", "mu": 0.5}, regularizers=[{"name": "dw", "mu": 0.2}])
+    cfg = tiny_config(method={"name": "fedprox", "mu": 0.5}, regularizers=[{"name": "dw", "mu": 0.2}],
+                      model={"head_bias": False})
     resolved = resolve(cfg)
     assert sorted(calls) == sorted(["data", "partition", "model", "method", "runtime", "regularizers[0]"])
     calls.clear()
@@ -378,7 +379,7 @@ def test_the_resolved_config_types_each_section():
     from fedguide.methods.compose import REGULARIZERS
 
     r = resolve(build_config({"method": {"name": "fedprox", "mu": 0.25}, "data": {"name": "digits", "fraction": 0.5},
-                              "regularizers": ["dw"]}))
+                              "regularizers": ["dw"], "model": {"name": "cnn", "head_bias": False}}))
     assert r.method.entry is METHODS.get("fedprox") and r.method.params.mu == 0.25 and r.method.name == "fedprox"
     assert r.partition.entry is PARTITIONS.get("dirichlet") and r.partition.params.alpha == 0.5
     assert (r.data.name, r.data.fraction, r.data.public_fraction, r.data.on_device) == ("digits", 0.5, 0.0, "auto")

@@ -2,11 +2,14 @@
 combination and reads its run folder before anything runs."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from fedguide.config import build_config
 from fedguide.registry import ConfigError
 from fedguide.fl.run_folder import RunFolder
-from fedguide.sweeps import grid, parse_axis, plan
+from fedguide.sweeps import check_like_with_like, grid, parse_axis, plan
 from tests.tiny import run_tiny, tiny_config, tiny_raw
 
 
@@ -115,18 +118,31 @@ def test_an_axis_added_to_a_sweep_continues_its_runs_instead_of_recomputing_them
     assert records[1].path == tmp_path / "name=fedprox-seed=0" and records[1].summary["method"] == "fedprox"
 
 
-def test_a_sweep_over_methods_that_would_run_different_models_is_refused(tmp_path):
-    """FedDW brings model defaults of its own (a bias-free head, mapping layers): swept beside FedAvg on a config
-    that does not set them, the two would run different networks, and the table would call it a method
-    comparison. Setting the model in the config makes the sweep valid."""
+def test_a_sweep_over_fedavg_and_feddw_without_a_bias_free_head_is_refused_before_anything_runs(tmp_path):
+    """FedDW needs a bias-free classification layer. It used to bring one itself, so a sweep beside FedAvg ran
+    two networks under one table; now the sweep is refused with the key to set, and set in the config it
+    runs both methods on the one network."""
     raw = tiny_raw(train={"rounds": 1})
-    with pytest.raises(ConfigError, match=r"would differ in more than the swept keys.*\n  model\.\w+: .*"
-                                          r"\(method\.name=fedavg\).*\(method\.name=feddw\)"):
+    with pytest.raises(ConfigError, match=r"1 of 2 sweep combinations are invalid, so none ran:\n  method.name=feddw: "
+                                          r"method.name=feddw needs model.head_bias=false"):
         plan(raw, [], grid([parse_axis("method.name=fedavg,feddw")]), tmp_path)
     assert not any(tmp_path.iterdir())
     same = plan(raw, ["model.head_bias=false", "model.mapping=[128, 128]"],
                 grid([parse_axis("method.name=fedavg,feddw")]), tmp_path)
-    assert [p.config.model.params_dict()["mapping"] for p in same] == [[128, 128], [128, 128]]
+    assert [p.config.model.params_dict() for p in same][0] == [p.config.model.params_dict() for p in same][1]
+    assert same[0].config.model.params_dict()["mapping"] == [128, 128]
+
+
+def test_combinations_that_resolve_to_different_unswept_settings_are_refused_naming_the_keys(tmp_path):
+    """The last guard of a sweep's table, whatever made two combinations differ (a plug-in that changes a
+    setting by a method's name, say): the differing keys and each combination's value."""
+    planned = plan(tiny_raw(train={"rounds": 1}), [], grid([parse_axis("method.name=fedavg,fedprox")]), tmp_path)
+    dump = planned[1].config.model_dump(mode="json")
+    planned[1] = dataclasses.replace(planned[1], config=build_config({**dump, "model": {**dump["model"], "hidden": 64}}))
+    with pytest.raises(ConfigError, match=r"would differ in more than the swept keys.*\n  model\.hidden: "
+                                          r"128 \(method\.name=fedavg\), 64 \(method\.name=fedprox\)"):
+        check_like_with_like(planned)
+    check_like_with_like(planned[:1])
 
 
 def test_a_sweep_over_an_entry_sweeps_its_parameters_with_it(tmp_path):

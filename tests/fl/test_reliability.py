@@ -218,7 +218,7 @@ def test_dry_run_refuses_what_building_the_method_refuses(tmp_path, capsys):
     cfg.write_text(yaml.safe_dump({"data": {"name": "digits"}, "model": {"name": "mlp", "head_bias": True},
                                    "regularizers": ["dw"], "clients": {"num": 2, "per_round": 2}}))
     assert main(["run", str(cfg), "--dry-run"]) == 2
-    assert "FedDW regularises a classification layer without bias" in capsys.readouterr().err
+    assert "regularizers: [dw] needs model.head_bias=false (the config has true)" in capsys.readouterr().err
 
 
 def test_a_refused_set_up_leaves_no_run_behind(tmp_path):

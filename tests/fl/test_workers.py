@@ -28,7 +28,8 @@ def config(workers, method="fedavg", **over):
         "data": {"name": "digits"},
         "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
         "model": {"name": "mlp"},
-        "method": {"name": method, **SWEEP_OVERRIDES.get(method, {})},
+        # a method's name, with the sweeps' settings for it, or a whole method section
+        "method": method if isinstance(method, dict) else {"name": method, **SWEEP_OVERRIDES.get(method, {})},
         "clients": {"num": 6, "per_round": 4},
         "train": {"rounds": 3, "epochs": 1, "batch_size": 32, "lr": 0.05},
         "runtime": {"workers": workers, "threads_per_worker": 1},

@@ -6,6 +6,7 @@ the config alone, so no process ships another its data or its objects.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from fedguide.fl.runtime import RUNTIMES
 from fedguide.methods import METHODS, Method, RunContext
 from fedguide.methods.compose import REGULARIZERS, Hooks, build_regularizers, with_regularizers
 from fedguide.models import MODELS, build_model
-from fedguide.registry import ConfigError
+from fedguide.registry import ConfigError, Parsed
 
 
 def resolve(cfg: Union[Config, ResolvedConfig]) -> ResolvedConfig:
@@ -45,22 +46,22 @@ def resolve(cfg: Union[Config, ResolvedConfig]) -> ResolvedConfig:
     # A missing optional layer is named with its pip command before any parameter is parsed or anything built.
     for section, entry in (("method", method), ("runtime", RUNTIMES.get(cfg.runtime.name))):
         require_extras(entry.obj.extras, f"{section}.name={entry.name}")
-    regs, model_defaults = [], dict(method.obj.model_defaults)
+    regs = []
     for i, spec in enumerate(cfg.regularizers):
         spec = {"name": spec} if isinstance(spec, str) else dict(spec)
         if "name" not in spec:
             raise ConfigError(f"regularizers[{i}] has no name; write e.g. regularizers: [dw]")
         regs.append(REGULARIZERS.parse(spec.pop("name"), spec, f"regularizers[{i}]"))
-        model_defaults.update(regs[-1].entry.obj.model_defaults)
     data = DATASETS.parse(cfg.data.name, cfg.data.params_dict(), "data")
     sections = {
         "data": DataSection(data.entry, data.params, **{k: getattr(cfg.data, k) for k in SECTION_KEYS["data"]}),
         "partition": PARTITIONS.parse(cfg.partition.name, cfg.partition.params_dict(), "partition"),
-        # Keys the method's paper fixes apply unless the config sets them explicitly.
-        "model": MODELS.parse(cfg.model.name, {**model_defaults, **cfg.model.params_dict()}, "model"),
+        "model": MODELS.parse(cfg.model.name, cfg.model.params_dict(), "model"),
         "method": METHODS.parse(cfg.method.name, cfg.method.params_dict(), "method"),
         "runtime": RUNTIMES.parse(cfg.runtime.name, cfg.runtime.params_dict(), "runtime"),
     }
+    check_model_requirements(sections["model"], [(f"method.name={method.name}", method.obj)]
+                             + [(f"regularizers: [{r.entry.name}]", r.entry.obj) for r in regs])
     for key, extras in method.obj.option_extras(sections["method"].params).items():
         require_extras(extras, f"{key} of method.name={cfg.method.name}")
     raw = cfg.model_dump(mode="json")
@@ -69,6 +70,22 @@ def resolve(cfg: Union[Config, ResolvedConfig]) -> ResolvedConfig:
         raw["guidance"]["device"] = raw["train"]["device"]
     raw.update({section: parsed.dump() for section, parsed in sections.items()})
     return ResolvedConfig(build_config(raw), regularizers=tuple(regs), **sections)
+
+
+def check_model_requirements(model: Parsed, needs: list[tuple[str, Any]]) -> None:
+    """Each method or regulariser's ``model_requirements`` against the model the config resolves to: a
+    mismatch is an error naming the key to set, never a silent change of the network."""
+    params = model.params.model_dump(mode="json")
+    for who, obj in needs:
+        for key, wanted in obj.model_requirements.items():
+            shown = json.dumps(wanted)
+            if key not in params:
+                raise ConfigError(f"{who} needs model.{key}={shown}, which model.name={model.entry.name} does not "
+                                  f"offer; choose a model that has {key}")
+            if params[key] != wanted:
+                raise ConfigError(f"{who} needs model.{key}={shown} (the config has {json.dumps(params[key])}); set "
+                                  f"model.{key}: {shown} in the config, for every method compared with it, so "
+                                  f"every row runs the same network")
 
 
 @dataclass

@@ -32,8 +32,10 @@ class Method:
     """FedAvg's behaviour; subclasses override hooks. Registered via ``@METHODS.register(name)``."""
 
     Params: ClassVar[type[BaseModel]] = NoParams
-    # Model keys this method's paper fixes (e.g. FedDW's bias-free head); a config's explicit keys win.
-    model_defaults: ClassVar[dict[str, Any]] = {}
+    # Model settings this method cannot work without (FedDW's bias-free classification layer). Checked when
+    # the config is resolved, never applied: a method's name never changes the network it is compared on, so
+    # the config sets them, for every method of the comparison.
+    model_requirements: ClassVar[dict[str, Any]] = {}
     # False for methods that learn from unlabeled clients (semi-supervised scenarios, FedDISC).
     needs_client_labels: ClassVar[bool] = True
     # Optional install layers this method needs (pyproject extras, e.g. ("guidance",)); resolving a config

@@ -37,7 +37,7 @@ class Regularizer:
 
     Params: ClassVar[type[BaseModel]] = NoParams
     name: ClassVar[str] = ""
-    model_defaults: ClassVar[dict[str, Any]] = {}  # as Method.model_defaults
+    model_requirements: ClassVar[dict[str, Any]] = {}  # as Method.model_requirements
 
     def __init__(self, params: BaseModel, run: Any):
         self.params = params

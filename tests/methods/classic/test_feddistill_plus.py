@@ -88,7 +88,8 @@ def test_round_one_is_plain_cross_entropy_and_later_rounds_add_the_term(tmp_path
 
 @pytest.mark.parametrize("name", ["feddistill_plus", "feduv"])
 def test_composes_with_the_dw_regulariser_as_in_feddw_table_iv(tmp_path, name):
-    cfg = tiny_config(method={"name": name}, regularizers=[{"name": "dw", "mu": 1.0}], train={"rounds": 2})
+    cfg = tiny_config(method={"name": name}, regularizers=[{"name": "dw", "mu": 1.0}], train={"rounds": 2},
+                      model={"head_bias": False})
     summary, rows, run_dir = run_tiny(tmp_path, cfg)
     assert summary["method"] == f"{name}+dw"
     assert summary["final_accuracy"] > 0.3

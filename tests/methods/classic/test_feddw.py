@@ -84,7 +84,7 @@ def tiny(method, **over):
     raw = {
         "data": {"name": "digits"},
         "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
-        "model": {"name": "mlp", "mapping": [32]},
+        "model": {"name": "mlp", "mapping": [32], "head_bias": False},
         "method": method,
         "clients": {"num": 4, "per_round": 4},
         "train": {"rounds": 3, "epochs": 2, "batch_size": 32, "lr": 0.05},
@@ -95,20 +95,45 @@ def tiny(method, **over):
     return build_config(raw)
 
 
-def test_feddw_defaults_to_a_bias_free_head_and_refuses_an_explicit_bias(tmp_path):
-    assert prepare(tiny({"name": "feddw"})).config.model.params_dict()["head_bias"] is False
-    cfg = tiny({"name": "feddw"}, model={"name": "mlp", "head_bias": True})
-    with pytest.raises(ConfigError, match="head_bias=false"):
-        Experiment(prepare(cfg), tmp_path / "run", log=lambda s: None).run()
+@pytest.mark.parametrize("model", [{"name": "mlp"}, {"name": "mlp", "head_bias": True}])
+def test_feddw_refuses_a_head_with_a_bias_and_names_the_key_to_set(model):
+    # Sec. III: ω has no bias. The method checks it and never sets it: the config's network is the network.
+    with pytest.raises(ConfigError, match=r"method.name=feddw needs model.head_bias=false \(the config has true\); "
+                                          r"set model.head_bias: false in the config, for every method compared"):
+        prepare(tiny({"name": "feddw"}, model=model))
+    with pytest.raises(ConfigError, match=r"regularizers: \[dw\] needs model.head_bias=false"):
+        prepare(tiny({"name": "moon"}, model=model, regularizers=["dw"]))
 
 
-def test_feddw_defaults_to_the_papers_two_mapping_layers_unless_given():
-    # Sec. V-A: two FC mapping layers and a 128-d vector into the classification layer
-    assert prepare(tiny({"name": "feddw"}, model={"name": "mlp"})).config.model.params_dict()["mapping"] == [128, 128]
-    assert prepare(tiny({"name": "feddw"})).config.model.params_dict()["mapping"] == [32]  # the config's own
-    # the dw regulariser on another method leaves that method's architecture as configured
-    moon_dw = prepare(tiny({"name": "moon"}, model={"name": "mlp"}, regularizers=["dw"])).config.model.params_dict()
-    assert moon_dw["mapping"] == [] and moon_dw["head_bias"] is False
+def test_no_method_or_regulariser_changes_the_model_by_its_name():
+    # Every registered method and regulariser, on a config that leaves the model to its defaults: the resolved
+    # model is the config's, whatever the name (a requirement is refused, never applied).
+    from fedguide.fl.setup import resolve
+    from fedguide.methods import METHODS
+    from fedguide.methods.compose import REGULARIZERS
+
+    base = {"name": "mlp", "mapping": [32], "head_bias": False}
+    expected = MODELS.parse_params("mlp", {k: v for k, v in base.items() if k != "name"}, "model").model_dump(mode="json")
+    checked = 0
+    for name in METHODS.names():
+        try:
+            resolved = resolve(tiny({"name": name}, model=dict(base)))
+        except ConfigError:
+            continue  # a method that needs another data set or model: not a name changing the model
+        assert resolved.model.params.model_dump(mode="json") == expected, name
+        checked += 1
+    for name in REGULARIZERS.names():
+        resolved = resolve(tiny({"name": "fedavg"}, model=dict(base), regularizers=[name]))
+        assert resolved.model.params.model_dump(mode="json") == expected, name
+    assert checked >= 20
+    for obj in [METHODS.get(n).obj for n in METHODS.names()] + [REGULARIZERS.get(n).obj for n in REGULARIZERS.names()]:
+        assert not hasattr(obj, "model_defaults"), obj
+
+
+def test_feddw_keeps_the_configs_mapping_layers():
+    assert prepare(tiny({"name": "feddw"})).config.model.params_dict()["mapping"] == [32]
+    plain = prepare(tiny({"name": "feddw"}, model={"name": "mlp", "head_bias": False})).config.model.params_dict()
+    assert plain["mapping"] == [] and plain["head_bias"] is False
 
 
 def test_feddw_mnist_cnn_has_no_pooling_and_its_fc_layers_are_the_mapping_layers():
@@ -136,7 +161,7 @@ def test_feddw_mnist_paper_configs_use_the_unpooled_cnn(setting):
     resolved = resolve(load_config(Path(__file__).parents[3] / f"configs/paper/feddw_mnist_{setting}.yaml"))
     cfg, model = resolved.config, resolved.model.params
     assert cfg.model.name == "cnn" and not model.pooling and model.feature_dim is None
-    assert model.mapping == [128, 128]
+    assert model.mapping == [256, 128] and model.head_bias is False  # models.py CNN_mnist: fc1 256, fc2 128
 
 
 def test_moon_plus_dw_loss_is_moon_loss_plus_mu_times_lreg(tmp_path):

@@ -83,7 +83,9 @@ class DW(Regularizer):
     """FedDW's regulariser μ·L_reg with the soft-label matrix as its server state."""
 
     name = "dw"
-    model_defaults = {"head_bias": False}  # Sec. III: the classification layer has no bias
+    # Sec. III: the classification layer ω has no bias (L_reg relates its rows alone). The released code
+    # (models.py, fc3 = nn.Linear(128, n_class)) keeps a bias for every method; fedguide follows the paper.
+    model_requirements = {"head_bias": False}
 
     def __init__(self, params, run):
         super().__init__(params, run)
@@ -129,8 +131,9 @@ class DW(Regularizer):
 class FedDW(FedAvg):
     """FedDW: FedAvg + μ·‖Ω_global − softmax(ωωᵀ)‖²/C² (bias-free head; soft-label matrices aggregated)."""
 
-    # Sec. V-A: two FC mapping layers, a 128-d vector into the bias-free classification layer.
-    model_defaults = {**DW.model_defaults, "mapping": [128, 128]}
+    # The mapping layers of Sec. V-A are given to every model of the paper's comparison, so the config sets
+    # them (configs/paper/feddw_*); only the bias-free head is FedDW's own need.
+    model_requirements = DW.model_requirements
 
     def __init__(self, params, run):
         super().__init__(params, run)

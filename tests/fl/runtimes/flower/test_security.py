@@ -326,48 +326,13 @@ def _stop_all(link, clients) -> set[int]:
 
 
 @pytest.mark.e2e
-def test_a_run_over_tls_on_localhost_matches_the_local_run(tmp_path, tls):
-    """SuperLink with its certificate, 2 `fedguide client` processes that trust its CA: FedAvg over
-    HTTPS gives the local runtime's per-round results. The SuperLink speaks HTTPS only, and answers
-    its Control API to this machine only (a request forwarded for another address gets 403)."""
-    port = free_port()
-    layers = {"clients": {"num": 2, "per_round": 2}, "train": {"rounds": 2}}
-    runtime = {**FLOWER, "superlink": f"127.0.0.1:{port}", "connect_timeout": 120}
-    client_raw = tiny_raw(layers, runtime={**runtime, "tls": {"ca": tls["ca"]}})
-    (tmp_path / "client.yaml").write_text(yaml.safe_dump(client_raw))
-    cfg = prepare(build_config(tiny_raw(layers, runtime={**runtime, "tls": tls}))).config
-    _, local_rows, _ = run_tiny(tmp_path, tiny_config(layers), "local")
-
-    clients, link, started = [], None, set()
-    t0 = time.time()
-    try:
-        clients = [start_client(tmp_path, cid, tmp_path / "client.yaml", []) for cid in range(2)]
-        link = server.SuperLink(tmp_path / "link", port, tls=flower_params(cfg).tls)
-        lines: list[str] = []
-        summary = server.start_run(link, tmp_path / "run", cfg, resume=False, log=lines.append)
-        rows = read_rows(tmp_path / "run")
-        assert deployed_rows(rows) == deployed_rows(local_rows)
-        assert summary["client_failures"] == [] and len(summary["accuracy_curve"]) == 2
-
-        assert "Uvicorn running on https://127.0.0.1" in link.log_path.read_text()
-        assert 'root-certificates = "' in (link.home / "config.toml").read_text()
-        base = f"https://127.0.0.1:{port}"
-        assert _post(f"{base}/v1/control/list-runs", tls["ca"], forwarded_for="203.0.113.9") == 403
-        assert _post(f"{base}/v1/control/list-runs", tls["ca"]) != 403  # this machine: Flower answers
-        assert _post(f"{base}/v1/fleet/pull-messages", tls["ca"], forwarded_for="203.0.113.9") != 403
-        with pytest.raises((OSError, http.client.HTTPException)):  # plain HTTP is not served
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
-        print(f"TLS run: {time.time() - t0:.1f} s")
-    finally:
-        started = _stop_all(link, clients)
-    assert not [p for p in started if alive(p)], "a process of the deployment is still running"
-
-
-@pytest.mark.e2e
-def test_with_authentication_only_registered_clients_join(tmp_path, tls):
-    """The server's allow-list holds clients 0 and 1's public keys. A third `fedguide client` claiming
-    partition 1 with an unregistered key is refused until its connect_timeout and stops naming the
-    refusal; one without a key is refused at once; the registered ones complete the run."""
+def test_over_tls_with_authentication_only_registered_clients_join_and_the_run_is_the_local_one(tmp_path, tls):
+    """A SuperLink with its certificate whose allow-list holds clients 0 and 1's public keys; `fedguide
+    client` processes that trust its CA. A third client claiming partition 1 with an unregistered key is
+    refused until its connect_timeout and stops naming the refusal; one without a key is refused at once;
+    the registered ones complete the run, with the local runtime's per-round results. The SuperLink speaks
+    HTTPS only, and answers its Control API to this machine only (a request forwarded for another address
+    gets 403)."""
     port = free_port()
     layers = {"clients": {"num": 2, "per_round": 2}, "train": {"rounds": 1}}
     runtime = {**FLOWER, "superlink": f"127.0.0.1:{port}", "connect_timeout": 120, "tls": {"ca": tls["ca"]}}
@@ -376,6 +341,7 @@ def test_with_authentication_only_registered_clients_join(tmp_path, tls):
     (tmp_path / "client.yaml").write_text(yaml.safe_dump(tiny_raw(layers, runtime=runtime)))
     server_runtime = {**runtime, "tls": tls, "auth": {"public_keys": [keys[0][1], keys[1][1]]}}
     cfg = prepare(build_config(tiny_raw(layers, runtime=server_runtime))).config
+    _, local_rows, _ = run_tiny(tmp_path, tiny_config(layers), "local")
 
     clients: list[subprocess.Popen] = []
     link, lines = None, []
@@ -384,7 +350,7 @@ def test_with_authentication_only_registered_clients_join(tmp_path, tls):
         link = server.open_superlink(cfg, tmp_path / "run" / "flower", log=lines.append)
         assert any("TLS, 2 SuperNode keys admitted" in line for line in lines), lines
         intruder = start_client(tmp_path, 7, tmp_path / "client.yaml",
-                                [f"runtime.auth.private_key={intruder_key}", "runtime.connect_timeout=4",
+                                [f"runtime.auth.private_key={intruder_key}", "runtime.connect_timeout=1",
                                  "--partition-id", "1"])
         keyless = start_client(tmp_path, 8, tmp_path / "client.yaml", ["--partition-id", "0"])
         clients = [intruder, keyless]
@@ -401,7 +367,17 @@ def test_with_authentication_only_registered_clients_join(tmp_path, tls):
 
         summary = server.start_run(link, tmp_path / "run", cfg, resume=False, log=lines.append)
         assert summary["client_failures"] == [] and len(summary["accuracy_curve"]) == 1
+        assert deployed_rows(read_rows(tmp_path / "run")) == deployed_rows(local_rows)
         print(f"authenticated run: {time.time() - t0:.1f} s")
+
+        assert "Uvicorn running on https://127.0.0.1" in link.log_path.read_text()
+        assert 'root-certificates = "' in (link.home / "config.toml").read_text()
+        base = f"https://127.0.0.1:{port}"
+        assert _post(f"{base}/v1/control/list-runs", tls["ca"], forwarded_for="203.0.113.9") == 403
+        assert _post(f"{base}/v1/control/list-runs", tls["ca"]) != 403  # this machine: Flower answers
+        assert _post(f"{base}/v1/fleet/pull-messages", tls["ca"], forwarded_for="203.0.113.9") != 403
+        with pytest.raises((OSError, http.client.HTTPException)):  # plain HTTP is not served
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
         server_log = (tmp_path / "run" / "flower" / "superlink.log").read_text()
         assert "[/v1/fleet/activate-node][ApiError:2004]" in server_log  # the server saw both refusals
         assert "[/v1/fleet/register-node][ApiError:2001]" in server_log
