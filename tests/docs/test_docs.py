@@ -113,3 +113,17 @@ def test_runnable_example(title, tmp_path):
                           text=True, timeout=EXAMPLE_SECONDS)
     assert proc.returncode == 0, (f"{page.relative_to(ROOT)}: example {title} failed after "
                                   f"{time.perf_counter() - start:.1f} s:\n{proc.stdout}\n{proc.stderr}")
+
+
+def test_the_gpu_pages_settings_block_states_the_defaults():
+    """docs/gpu.md opens with the device settings as a config block: each value there is the default a config
+    that leaves it out gets."""
+    from fedguide.config import build_config
+
+    text = (DOCS / "gpu.md").read_text()
+    block = yaml.safe_load(text.split("```yaml\n", 1)[1].split("```", 1)[0])
+    defaults = build_config({}).model_dump(mode="json")
+    stated = [(section, key, value) for section, keys in block.items() for key, value in keys.items()]
+    assert len(stated) >= 7
+    for section, key, value in stated:
+        assert defaults[section][key] == value, (f"{section}.{key}", value, defaults[section][key])

@@ -88,7 +88,7 @@ def test_personal_every_and_refusals(tmp_path):
 
 
 # Methods of this family that keep something on their clients between rounds, one per state code (FedPer's
-# is FedRep's split federation). Every method also runs in worker processes in tests/fl/test_workers.py.
+# is FedRep's split federation). Every method also runs in worker processes in tests/e2e/test_every_method.py.
 FEDREP = {"name": "fedrep", "head_epochs": 1}
 POOL = {"name": "local", "workers": 2, "threads_per_worker": 1}
 SIM = {"name": "flower-sim", "threads_per_worker": 1}

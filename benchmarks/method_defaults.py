@@ -1,0 +1,151 @@
+"""Every method on its defaults against FedAvg on the same network, seeds 0-2, on the configs a new user starts
+from: does a method's default fall below FedAvg by more than its seed spread?
+
+For each config and seed, every registered method runs on the config as it is (``method.name=<m>`` and
+nothing else), except the settings a method declares it needs (``model_requirements``, FedDW's bias-free
+head): those are set for the method *and* for a FedAvg run on the same network, which is then its reference.
+The table pairs each method's last-k accuracy with its reference's, seed by seed: the mean difference, a
+95 % t-interval of the paired differences, and the method's own seed spread (sample std of its last-k).
+
+    .venv/bin/python benchmarks/method_defaults.py [--configs configs/demo.yaml ...] [--seeds 0 1 2]
+                                                   [--methods fedavg moon ...] [--out runs/method_defaults]
+    .venv/bin/python benchmarks/method_defaults.py --report     # only the table, from the finished runs
+
+Runs are resumable (kept when finished, continued when started); the table and status go to
+benchmarks/results/method_defaults/<config>.md. Methods built on a guidance model run on configs that name
+one (demo.yaml: the embedded model); elsewhere they are left out and listed as such.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _runs import REPO, ensure_run, summary  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results" / "method_defaults"
+CONFIGS = [REPO / "configs/demo.yaml", REPO / "configs/fmnist_dir0.1.yaml"]
+# Two-sided 95 % t quantiles by degrees of freedom (n - 1 paired seeds).
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def requirement_overrides(name: str) -> list[str]:
+    from fedguide.methods import METHODS
+
+    return [f"model.{k}={json.dumps(v)}" for k, v in sorted(METHODS.get(name).obj.model_requirements.items())]
+
+
+def methods_for(config: Path, chosen: list[str] | None) -> tuple[list[str], list[str]]:
+    """(methods to run on ``config``, methods left out because the config names no guidance model)."""
+    import yaml
+
+    from fedguide.config import load_config
+    from fedguide.fl.preflight import check
+    from fedguide.methods import METHODS
+    from fedguide.registry import ConfigError
+
+    names = chosen or list(METHODS.names())
+    guided = "model" in (yaml.safe_load(config.read_text()).get("guidance") or {})
+    run, left = [], []
+    for name in names:
+        try:
+            check(load_config(config, [f"method.name={name}", *requirement_overrides(name)]))
+            run.append(name)
+        except (ConfigError, ValueError) as err:
+            left.append(f"{name} ({'no guidance model in the config' if not guided else err})")
+    return run, left
+
+
+def run_dir(out: Path, config: Path, label: str, seed: int) -> Path:
+    return out / config.stem / f"{label}-s{seed}"
+
+
+def reference_label(name: str) -> str:
+    """FedAvg on the method's network: plain fedavg, or fedavg with the method's requirements."""
+    needs = requirement_overrides(name)
+    return "fedavg" if not needs else "fedavg[" + ",".join(o.removeprefix("model.") for o in needs) + "]"
+
+
+def plan(config: Path, names: list[str], seeds: list[int], out: Path) -> list[tuple[Path, list[str]]]:
+    runs, seen = [], set()
+    for seed in seeds:
+        for name in ["fedavg", *names]:
+            for label, overrides in ((name, [f"method.name={name}", *requirement_overrides(name)]),
+                                     (reference_label(name), ["method.name=fedavg", *requirement_overrides(name)])):
+                folder = run_dir(out, config, label, seed)
+                if folder not in seen:
+                    seen.add(folder)
+                    runs.append((folder, [*overrides, f"seed={seed}"]))
+    return runs
+
+
+def last_k(folder: Path) -> float | None:
+    return summary(folder)["accuracy_last_k"] if (folder / "summary.json").exists() else None
+
+
+def table(config: Path, names: list[str], left: list[str], seeds: list[int], out: Path) -> str:
+    lines = [f"# Method defaults against FedAvg on the same network: {config.relative_to(REPO)}", "",
+             f"Seeds {', '.join(map(str, seeds))}; last-k accuracy (the config's report.last_k); "
+             f"differences paired by seed. Made with `benchmarks/method_defaults.py`, "
+             f"{date.today().isoformat()}, 2-core CPU.", "",
+             "| method | reference | seeds | last-k % mean ± std | Δ vs reference (points) | 95 % paired interval | "
+             "below by more than its seed spread |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for name in names:
+        ref = reference_label(name)
+        pairs = [(last_k(run_dir(out, config, name, s)), last_k(run_dir(out, config, ref, s))) for s in seeds]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        if not pairs:
+            lines.append(f"| {name} | {ref} | 0 | — | — | — | not run yet |")
+            continue
+        own = [a for a, _ in pairs]
+        diffs = [100 * (a - b) for a, b in pairs]
+        mean = statistics.fmean(diffs)
+        spread = 100 * statistics.stdev(own) if len(own) > 1 else float("nan")
+        half = T95.get(len(diffs) - 1, 1.96) * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 \
+            else float("nan")
+        cell = f"{100 * statistics.fmean(own):.2f}" + (f" ± {spread:.2f}" if len(own) > 1 else "")
+        interval = f"[{mean - half:+.2f}, {mean + half:+.2f}]" if len(diffs) > 1 else "—"
+        below = "—" if name.startswith("fedavg") else ("**yes**" if len(own) > 1 and -mean > spread else "no")
+        lines.append(f"| {name} | {ref} | {len(pairs)} | {cell} | {mean:+.2f} | {interval} | {below} |")
+    if left:
+        lines += ["", "Left out on this config: " + "; ".join(left) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def write(path: Path, text: str) -> None:
+    """Whole or not at all: a suite stopped mid-write leaves the previous table."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="+", type=Path, default=CONFIGS)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--methods", nargs="+", default=None)
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "method_defaults")
+    ap.add_argument("--report", action="store_true", help="write the tables from the finished runs only")
+    args = ap.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for config in args.configs:
+        config = config.resolve()
+        names, left = methods_for(config, args.methods)
+        if not args.report:
+            runs = plan(config, names, args.seeds, args.out)
+            for i, (folder, overrides) in enumerate(runs, 1):
+                print(f"[{i}/{len(runs)}] {config.stem}: {folder.name}", flush=True)
+                ensure_run(config, folder, overrides)
+                write(RESULTS / f"{config.stem}.md", table(config, names, left, args.seeds, args.out))
+        write(RESULTS / f"{config.stem}.md", table(config, names, left, args.seeds, args.out))
+        print((RESULTS / f"{config.stem}.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
