@@ -64,6 +64,16 @@ def test_only_runs_with_the_same_other_settings_pair(tmp_path):
     assert c.settings == ["train.lr=0.5"]
 
 
+def test_a_method_run_on_another_network_is_named_unpaired_with_the_model_key(tmp_path):
+    """FedDW on the mapping layers beside FedAvg without them: --vs names the model key, and the row label
+    carries it, instead of presenting a comparison of methods."""
+    a = make_run(tmp_path, "avg", "fedavg", 0, curve=curve((0.0, 0.0)))
+    b = with_config(make_run(tmp_path, "dw", "feddw", 0, curve=curve((0.1, 0.1))), model__mapping=[128, 128])
+    [c] = paired_comparisons([a, b], "fedavg")
+    assert c.seeds == [] and c.unpaired == ["seed 0: no fedavg run with the same settings (model.mapping differs)"]
+    assert c.settings == ["model.mapping=[128,128]"]
+
+
 def test_runs_of_different_lengths_never_pair(tmp_path):
     """A folder whose config.yaml still says 5 rounds while it ran 6 (written before config.yaml followed a
     raised train.rounds) does not pair with a 5-round run: their difference would measure the extra round."""
