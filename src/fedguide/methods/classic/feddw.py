@@ -84,14 +84,14 @@ class DW(Regularizer):
 
     name = "dw"
     # Sec. III: the classification layer ω has no bias (L_reg relates its rows alone). The released code
-    # (models.py, fc3 = nn.Linear(128, n_class)) keeps a bias for every method; fedguide follows the paper.
+    # (liuvvvvv1/FedDW models.py, fc3 = nn.Linear(128, ...), lines 59 and 208) keeps a bias for every method,
+    # FedDW included; fedguide follows the paper.
     model_requirements = {"head_bias": False}
 
     def __init__(self, params, run):
         super().__init__(params, run)
         if getattr(run.model.head, "bias", None) is not None:
-            raise ConfigError("FedDW regularises a classification layer without bias; set model.head_bias=false "
-                              "(and, as in the paper's Sec. V-A, model.mapping=[128,128])")
+            raise ConfigError("FedDW regularises a classification layer without bias; set model.head_bias=false")
         self.sl = torch.eye(run.num_classes, device=run.device)  # Ω_0 = I, where the server aggregates
 
     def server_payload(self, round_, client_id):
