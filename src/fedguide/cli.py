@@ -160,7 +160,8 @@ def registry_listing() -> dict[str, list[dict]]:
 
     def rows(reg):
         return [{"name": e.name, "summary": e.summary,
-                 "params": {k: f.get_default(call_default_factory=True) for k, f in e.params.model_fields.items()}} for e in reg.entries()]
+                 "params": {k: f.get_default(call_default_factory=True) for k, f in e.params.model_fields.items()},
+                 **({"paper": e.obj.paper} if getattr(e.obj, "paper", "") else {})} for e in reg.entries()]
 
     # The closed sets a config names besides the registries' entries (train.device, train.augment).
     fixed = {kind: [{"name": n, "summary": summary, "params": {}} for n, summary in named.items()]
@@ -182,7 +183,8 @@ def cmd_list(args) -> int:
         console.print(f"[bold]{kind}[/]")
         for r in rows:
             params = escape(", ".join(f"{k}={v}" for k, v in r["params"].items()))
-            console.print(f"  {r['name']:<14} {escape(r['summary'])}" + (f"  [dim]({params})[/]" if params else ""))
+            console.print(f"  {r['name']:<14} {escape(r['summary'])}" + (f"  [dim]({params})[/]" if params else "")
+                          + (f"  {r['paper']}" if r.get("paper") else ""))
     return 0
 
 

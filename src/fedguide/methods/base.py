@@ -32,6 +32,9 @@ class Method:
     """FedAvg's behaviour; subclasses override hooks. Registered via ``@METHODS.register(name)``."""
 
     Params: ClassVar[type[BaseModel]] = NoParams
+    # Where the method is defined: a link to its paper (or, for a paper's own baseline, that paper); shown by
+    # `fedguide list` and checked against docs/methods.md. Empty for the references (local, centralized).
+    paper: ClassVar[str] = ""
     # Model settings this method cannot work without (FedDW's bias-free classification layer). Checked when
     # the config is resolved, never applied: a method's name never changes the network it is compared on, so
     # the config sets them, for every method of the comparison.

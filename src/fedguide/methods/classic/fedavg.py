@@ -5,3 +5,5 @@ from fedguide.methods.base import METHODS, Method
 @METHODS.register("fedavg")
 class FedAvg(Method):
     """FedAvg: local training, sample-weighted averaging of the weights."""
+
+    paper = "https://arxiv.org/abs/1602.05629"

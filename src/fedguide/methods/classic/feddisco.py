@@ -88,6 +88,8 @@ def disco_weights(sizes: Sequence[float], histograms: torch.Tensor, a: float = 0
 class FedDisco(Method):
     """FedDisco: FedAvg with weights ReLU(n_k − a·d_k + b), d_k = label-distribution discrepancy."""
 
+    paper = "https://arxiv.org/abs/2305.19229"
+
     def __init__(self, params, run):
         super().__init__(params, run)
         self.global_counts: torch.Tensor | None = None

@@ -121,6 +121,8 @@ class DistillRound:
 class FedDistillPlus(Method):
     """FedDistill+: CE + λ·term against global per-class targets, the targets and the weights aggregated."""
 
+    paper = "https://arxiv.org/abs/1811.11479"
+
     def __init__(self, params, run):
         super().__init__(params, run)
         c = run.num_classes

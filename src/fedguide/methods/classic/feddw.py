@@ -131,6 +131,8 @@ class DW(Regularizer):
 class FedDW(FedAvg):
     """FedDW: FedAvg + μ·‖Ω_global − softmax(ωωᵀ)‖²/C² (bias-free head; soft-label matrices aggregated)."""
 
+    paper = "https://arxiv.org/abs/2412.04521"
+
     # The mapping layers of Sec. V-A are given to every model of the paper's comparison, so the config sets
     # them (configs/paper/feddw_*); only the bias-free head is FedDW's own need.
     model_requirements = DW.model_requirements

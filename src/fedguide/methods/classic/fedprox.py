@@ -52,6 +52,8 @@ class ProxRound:
 class FedProx(Method):
     """FedProx: FedAvg plus (mu/2)·||w − w_global||² in the local objective."""
 
+    paper = "https://arxiv.org/abs/1812.06127"
+
     def begin_local(self, model, ctx) -> ProxRound:
         params = [p for p in model.parameters() if p.requires_grad]
         return ProxRound(params, [p.detach().clone() for p in params])

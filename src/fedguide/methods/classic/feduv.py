@@ -86,6 +86,8 @@ def uniformity_loss(z: torch.Tensor, detach_bandwidth: bool = False) -> torch.Te
 class FedUV(Method):
     """FedUV: CE + λ_V·classifier-variance hinge + λ_U·representation uniformity; FedAvg aggregation."""
 
+    paper = "https://arxiv.org/abs/2402.18372"
+
     def __init__(self, params, run):
         super().__init__(params, run)
         self.gamma = params.gamma if params.gamma is not None else iid_target_std(run.num_classes)

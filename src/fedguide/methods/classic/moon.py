@@ -75,6 +75,8 @@ class MoonRound:
 class Moon(Method):
     """MOON: CE + mu·contrast(z vs global model's z, previous local model's z), FedAvg aggregation."""
 
+    paper = "https://arxiv.org/abs/2103.16257"
+
     def __init__(self, params, run):
         super().__init__(params, run)
         self._glob: SplitModel | None = None

@@ -133,6 +133,8 @@ class ScaffoldRound:
 class Scaffold(Method):
     """SCAFFOLD: local steps on g − c_i + c, control variates updated by option II."""
 
+    paper = "https://arxiv.org/abs/1910.06378"
+
     def __init__(self, params, run):
         super().__init__(params, run)
         self._mask: torch.Tensor | None = None

@@ -72,6 +72,8 @@ class AlignRound:
 class AlignFeatures(Method):
     """CE + λ‖z − P e(x)‖² with e a pretrained image encoder (FedDifRC Table 8 baseline), FedAvg."""
 
+    paper = "https://github.com/hwang52/FedDifRC"
+
     extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
     def setup(self):
         p, run = self.params, self.run

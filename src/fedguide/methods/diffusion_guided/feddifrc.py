@@ -249,6 +249,8 @@ class DifRCRound:
 class FedDifRC(Method):
     """FedDifRC: CE + TDCL (conditional diffusion features) + NDCR (denoising diffusion features), FedAvg."""
 
+    paper = "https://github.com/hwang52/FedDifRC"
+
     extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
 
     def __init__(self, params: FedDifRCParams, run):

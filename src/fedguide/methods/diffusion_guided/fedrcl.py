@@ -178,6 +178,8 @@ class RCLRound:
 class FedRCL(Method):
     """FedRCL: CE + supervised contrastive loss with a divergence penalty, on every encoder level."""
 
+    paper = "https://arxiv.org/abs/2401.04928"
+
     @classmethod
     def option_extras(cls, params):
         # ◇ and † are the only parts built on the guidance model; plain FedRCL stays in the core.

@@ -147,6 +147,8 @@ class SemanticRound:
 class SemanticFL(Method):
     """SemanticFL: CE + KD to offline diffusion features + InfoNCE to class-prompt text features, FedAvg."""
 
+    paper = "https://arxiv.org/abs/2603.19337"
+
     extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
 
     def __init__(self, params: SemanticFLParams, run):

@@ -17,6 +17,8 @@ from fedguide.methods.base import METHODS
 class CentroidFinetune(CentroidOneShot):
     """FedDISC's Fine-tuning baseline: the linear head trained on the uploaded noised centroids."""
 
+    paper = "https://arxiv.org/abs/2305.04063"
+
     def fit_head(self, uploads):
         x, y = uploaded_centroids(uploads)
         head, loss = self.train_server_head(x, y)

@@ -23,6 +23,8 @@ from fedguide.methods.base import METHODS
 class FedAvgSM(HeadFederation):
     """FedAvg-sm: FedAvg of a linear head on the frozen encoder, trained on prototype pseudo-labels."""
 
+    paper = "https://arxiv.org/abs/2305.04063"
+
     def extra_payload(self, round_):
         protos, present = self.prototypes()
         return {"prototypes": protos, "prototype_present": present}

@@ -199,6 +199,8 @@ def save_samples(images: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
 class FedDISC(CentroidOneShot):
     """FedDISC: one-shot; noisy client centroids + domain features guide diffusion generation; linear head on CLIP."""
 
+    paper = "https://arxiv.org/abs/2305.04063"
+
     def setup(self):
         if self.params.client_labels == "own" and not self.run.data.clients_labeled:
             raise ConfigError("method.client_labels=own groups each client's samples by its own labels, but the "

@@ -95,6 +95,8 @@ def distance_reweighted(heads: list[Head], sizes: list[float], labeled: list[boo
 class RSCFed(HeadFederation):
     """RSCFed: mean-teacher clients, random sub-consensus with distance-reweighted aggregation."""
 
+    paper = "https://arxiv.org/abs/2203.13993"
+
     def client_train(self, head, ctx):
         p, t = self.params, self.run.train
         x = self.client_features(ctx)

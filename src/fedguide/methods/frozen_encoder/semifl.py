@@ -69,6 +69,8 @@ def mixup_loss(logits: torch.Tensor, y_a: torch.Tensor, y_b: torch.Tensor, lam: 
 class SemiFL(HeadFederation):
     """SemiFL: server supervised training alternating with client FixMatch + MixUp on pseudo-labels."""
 
+    paper = "https://arxiv.org/abs/2106.01432"
+
     def setup(self):
         super().setup()
         self.momentum: dict | None = None

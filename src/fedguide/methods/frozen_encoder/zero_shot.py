@@ -33,6 +33,8 @@ def zero_shot_scores(image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> t
 class ZeroShot(Method):
     """CLIP zero-shot: text-image similarity of the guidance model's image encoder; no training."""
 
+    paper = "https://arxiv.org/abs/2305.04063"
+
     on_device = False  # small models on cached features or its own loops: the host computes
     extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
     needs_client_labels = False

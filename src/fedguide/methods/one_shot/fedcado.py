@@ -215,6 +215,8 @@ def generation_seed(run_seed: int, client_id: int) -> int:
 class FedCADO(OneShotMethod):
     """FedCADO: one shot; classifier-guided generation per client on the server; global model trained on it."""
 
+    paper = "https://arxiv.org/abs/2311.08870"
+
     extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
     Params = FedCADOParams
 

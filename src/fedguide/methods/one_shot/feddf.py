@@ -148,6 +148,8 @@ def to_run_format(pool: DatasetSplits, splits: DatasetSplits, name: str, chunk: 
 class FedDF(OneShotMethod):
     """FedDF: one shot; FedAvg of the clients, then distillation of their ensemble on the public pool."""
 
+    paper = "https://arxiv.org/abs/2006.07242"
+
     Params = FedDFParams
 
     def __init__(self, params: FedDFParams, run):

@@ -23,6 +23,8 @@ from fedguide.methods.one_shot.fedcado import FedCADO, GenerationParams
 class SDGen(FedCADO):
     """SD_Gen: text-to-image generation from class prompts alone, then training on it (FedCADO's baseline)."""
 
+    paper = "https://arxiv.org/abs/2311.08870"
+
     Params = GenerationParams
 
     def guidance_terms(self) -> tuple[bool, bool, bool]:

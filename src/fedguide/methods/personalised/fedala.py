@@ -99,6 +99,8 @@ def learn_weights(model: torch.nn.Module, params: list[torch.nn.Parameter], loca
 class FedALA(Method):
     """FedALA: the received model is mixed into the local one with learned element-wise weights (ALA)."""
 
+    paper = "https://arxiv.org/abs/2212.01197"
+
     def setup(self) -> None:
         run = self.run
         self._start = top_layers_start(run.layout, run.model, self.params.layers, "layers")

@@ -52,6 +52,8 @@ class FedBABUParams(BaseModel):
 class FedBABU(Method):
     """FedBABU: only the body is trained and averaged; the head stays at its random initialisation."""
 
+    paper = "https://arxiv.org/abs/2106.06042"
+
     def body_end(self) -> int:
         return head_span(self.run.layout).start
 

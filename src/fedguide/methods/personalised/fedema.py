@@ -140,6 +140,8 @@ class EMARound:
 class FedEMA(Method):
     """FedEMA: federated BYOL, returning clients blend in the global model by a divergence-aware EMA; linear probe."""
 
+    paper = "https://arxiv.org/abs/2204.04385"
+
     needs_client_labels = False
     personal_evaluation = False  # no classifier of its own: the linear probe scores the encoder
 

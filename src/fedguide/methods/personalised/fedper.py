@@ -34,6 +34,8 @@ class FedPerParams(BaseModel):
 class FedPer(SplitFederation):
     """FedPer: base layers averaged, the top personal_layers layers kept on each client."""
 
+    paper = "https://arxiv.org/abs/1912.00818"
+
     def setup(self) -> None:
         self._start = top_layers_start(self.run.layout, self.run.model, self.params.personal_layers,
                                        "personal_layers")

@@ -131,6 +131,8 @@ def class_feature_means(model: "SplitModel", data: "ClientData", batch_size: int
 class FedProto(Method):
     """FedProto: CE + λ·‖z − global class prototype‖², per-class prototype averaging, nearest-prototype inference."""
 
+    paper = "https://arxiv.org/abs/2105.00243"
+
     def setup(self):
         self.protos = torch.zeros(self.run.num_classes, self.run.model.feature_dim, device=self.run.device)
         self.present = torch.zeros(self.run.num_classes, dtype=torch.bool, device=self.run.device)

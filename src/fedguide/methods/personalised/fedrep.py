@@ -51,6 +51,8 @@ class FedRepParams(BaseModel):
 class FedRep(SplitFederation):
     """FedRep: shared representation averaged, local head trained first each round; the head never leaves the client."""
 
+    paper = "https://arxiv.org/abs/2102.07078"
+
     def personal_start(self) -> int:
         return head_span(self.run.layout).start
 

@@ -83,6 +83,8 @@ def meta_gradient(params: Sequence[torch.Tensor], loss: Loss, batches: Sequence,
 class PerFedAvg(Method):
     """Per-FedAvg: FedAvg of a meta-model trained for one-step adaptation (first-order or Hessian-free)."""
 
+    paper = "https://arxiv.org/abs/2002.07948"
+
     def fit(self, model, ctx, train):
         p = self.params
         per_step = 2 if p.variant == "fo" else 3
