@@ -1,6 +1,11 @@
 """FedALA (Zhang, Hua, Wang, Song, Xue, Ma & Guan, AAAI 2023, "FedALA: Adaptive Local Aggregation for
 Personalized Federated Learning"); released code github.com/TsingZ0/FedALA (``utils/ALA.py``).
 
+Where it is expected to lose: on the global test set. Its global accuracy (``global_eval: clients``) scores
+the clients' personalised models there, each fitted to its own label mix: on ``configs/demo.yaml`` (Dir 0.1)
+it is about 20 points below FedAvg's (seeds 0-1, benchmarks/results/method_defaults/demo.md). Compare
+``personal_accuracy`` under ``eval.mode: both``, where personalisation is meant to win.
+
 Each client keeps its local model θ_i. Before local training it initialises from the received global model Θ
 with Adaptive Local Aggregation (ALA, Algorithm 1 lines 6-16):
     θ̂_i = θ_i + (Θ − θ_i) ⊙ W_i,
