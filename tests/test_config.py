@@ -365,7 +365,8 @@ def test_resolving_parses_each_named_section_once_and_the_run_never_again(monkey
     cfg = tiny_config(method={"name": "fedprox", "mu": 0.5}, regularizers=[{"name": "dw", "mu": 0.2}],
                       model={"head_bias": False})
     resolved = resolve(cfg)
-    assert sorted(calls) == sorted(["data", "partition", "model", "method", "runtime", "regularizers[0]"])
+    assert sorted(calls) == sorted(["data", "partition", "model", "method", "runtime", "server_optimizer",
+                                   "regularizers[0]"])
     calls.clear()
     prepared = prepare(resolved)  # a resolved config is taken as it is
     open_run(prepared, tmp_path / "run")

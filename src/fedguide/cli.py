@@ -156,6 +156,7 @@ def registry_listing() -> dict[str, list[dict]]:
     from fedguide.fl.loggers import LOGGERS
     from fedguide.methods import METHODS
     from fedguide.methods.compose import REGULARIZERS
+    from fedguide.methods.server_optimizers import SERVER_OPTIMIZERS
     from fedguide.models import MODELS
 
     def rows(reg):
@@ -166,7 +167,8 @@ def registry_listing() -> dict[str, list[dict]]:
     # The closed sets a config names besides the registries' entries (train.device, train.augment).
     fixed = {kind: [{"name": n, "summary": summary, "params": {}} for n, summary in named.items()]
              for kind, named in choices().items()}
-    return {"methods": rows(METHODS), "regularizers": rows(REGULARIZERS), "datasets": rows(DATASETS),
+    return {"methods": rows(METHODS), "regularizers": rows(REGULARIZERS),
+            "server_optimizers": rows(SERVER_OPTIMIZERS), "datasets": rows(DATASETS),
             "partitions": rows(PARTITIONS), "models": rows(MODELS), "runtimes": rows(RUNTIMES), **fixed,
             "loggers": rows(LOGGERS)}
 

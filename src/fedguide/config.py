@@ -259,6 +259,9 @@ class Config(Strict):
     guidance: GuidanceConfig = GuidanceConfig()
     regularizers: list[Union[str, dict[str, Any]]] = Field(
         default_factory=list, description="terms added to any method's local objective, e.g. [dw]")
+    server_optimizer: Named = Field(
+        Named(name="average"), description="the server's step from the aggregate (FedOpt): average (none), avgm, "
+                                           "adagrad, adam, yogi; usable with any method")
     seed: int = 0
     report: ReportConfig = ReportConfig()
     logging: list[LoggerName] = Field(
@@ -311,6 +314,7 @@ class ResolvedConfig:
     method: Parsed  # entry.obj: the Method class
     runtime: Parsed  # entry.obj: the Runtime class
     regularizers: tuple[Parsed, ...] = ()  # in the config's order; entry.obj: the Regularizer class
+    server_optimizer: Optional[Parsed] = None  # entry.obj: the ServerOptimizer class; None: average
 
 
 def parse_value(text: str) -> Any:

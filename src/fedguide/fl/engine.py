@@ -227,9 +227,12 @@ class Experiment:
         curve = [m["accuracy"] for m in metrics]
         best = int(np.argmax(curve))
         last_k = self.cfg.report.last_k_for(len(curve))
+        server_label = getattr(self.hooks.server_optimizer, "label", "")
         summary = {
-            # "+dw" marks a composed regulariser, so reports keep MOON and MOON+DW apart.
-            "method": self.cfg.method.name + "".join(f"+{r['name']}" for r in self.cfg.regularizers),
+            # "+dw" marks a composed regulariser, so reports keep MOON and MOON+DW apart; "+server_adam" a server
+            # optimiser (FedAvg + server Adam is FedAdam).
+            "method": self.cfg.method.name + "".join(f"+{r['name']}" for r in self.cfg.regularizers)
+            + (f"+{server_label}" if server_label else ""),
             "method_params": self.cfg.method.params_dict(),
             "regularizers": self.cfg.regularizers,
             "dataset": self.cfg.data.name,

@@ -32,6 +32,7 @@ from fedguide.extras import require_extras
 from fedguide.fl.runtime import RUNTIMES
 from fedguide.methods import METHODS, Method, RunContext
 from fedguide.methods.compose import REGULARIZERS, Hooks, build_regularizers, with_regularizers
+from fedguide.methods.server_optimizers import SERVER_OPTIMIZERS
 from fedguide.models import MODELS, build_model
 from fedguide.registry import ConfigError, Parsed
 
@@ -59,6 +60,8 @@ def resolve(cfg: Union[Config, ResolvedConfig]) -> ResolvedConfig:
         "model": MODELS.parse(cfg.model.name, cfg.model.params_dict(), "model"),
         "method": METHODS.parse(cfg.method.name, cfg.method.params_dict(), "method"),
         "runtime": RUNTIMES.parse(cfg.runtime.name, cfg.runtime.params_dict(), "runtime"),
+        "server_optimizer": SERVER_OPTIMIZERS.parse(cfg.server_optimizer.name, cfg.server_optimizer.params_dict(),
+                                                    "server_optimizer"),
     }
     check_model_requirements(sections["model"], [(f"method.name={method.name}", method.obj)]
                              + [(f"regularizers: [{r.entry.name}]", r.entry.obj) for r in regs])
@@ -237,6 +240,10 @@ def open_run(prepared: Prepared, run_dir: Path, setup: bool = False) -> tuple[Ru
     method = prepared.method_cls(prepared.resolved.method.params, ctx)
     if cfg.regularizers:
         method = with_regularizers(method, build_regularizers(prepared.resolved.regularizers, ctx))
+    server_opt = prepared.resolved.server_optimizer
+    if server_opt is not None:
+        # It steps the trainable parameters; BatchNorm statistics take the aggregate (core.server_updates).
+        method.server_optimizer = server_opt.entry.obj(server_opt.params, layout.parameter_mask(model).to(device))
     if setup:
         if train.deterministic:  # a client-side process keeps the setting for its whole life
             deterministic(True).__enter__()

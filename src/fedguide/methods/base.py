@@ -55,6 +55,9 @@ class Method:
     # when the run is opened, after any the method brings itself (FedDW's). They are applied from this list by
     # the local loop and by ``compose.Hooks``; a method never calls them.
     regularizers: Sequence[Any] = ()  # of compose.Regularizer
+    # The server's step from this method's aggregate to the next global model (``server_optimizer:``, set when
+    # the run is opened; methods.server_optimizers), applied by ``compose.Hooks``; None: the aggregate itself.
+    server_optimizer: Any = None
 
     def __init__(self, params: BaseModel, run: "RunContext"):
         self.params = params

@@ -30,6 +30,7 @@ from fedguide.methods.base import ClientContext, Method, Record
 from fedguide.registry import ConfigError, NoParams, Parsed, Registry
 
 REGULARIZERS: Registry = Registry("regularizer", plugins=("fedguide.methods",))
+SERVER_PREFIX = "server_optimizer."  # the server optimiser's keys in the checkpointed server state
 
 
 class Regularizer:
@@ -92,6 +93,7 @@ class Hooks:
     def __init__(self, method: Method):
         self.method = method
         self.regularizers = list(method.regularizers)
+        self.server_optimizer = method.server_optimizer
 
     def _merge(self, record: Record, parts) -> Record:
         out = dict(record)
@@ -117,15 +119,23 @@ class Hooks:
         # payloads of the next round are built from it.
         for r in self.regularizers:
             r.aggregate(round_, [{**r.own(u), "client_id": u["client_id"]} for u in uploads])
-        return self.method.aggregate(round_, global_weights, uploads)
+        aggregate = self.method.aggregate(round_, global_weights, uploads)
+        # The server optimiser steps from the round's global model towards the method's aggregate (FedOpt).
+        return aggregate if self.server_optimizer is None else self.server_optimizer.step(global_weights, aggregate)
 
     def server_state(self) -> dict[str, torch.Tensor]:
-        return self._merge(self.method.server_state(), [r.server_state() for r in self.regularizers])
+        state = self._merge(self.method.server_state(), [r.server_state() for r in self.regularizers])
+        if self.server_optimizer is not None:
+            state.update({f"{SERVER_PREFIX}{k}": v for k, v in self.server_optimizer.server_state().items()})
+        return state
 
     def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
-        prefixes = tuple(f"{r.name}." for r in self.regularizers)
+        prefixes = (*(f"{r.name}." for r in self.regularizers), SERVER_PREFIX)
         for r in self.regularizers:
             r.load_server_state(r.own(state))
+        if self.server_optimizer is not None:
+            self.server_optimizer.load_server_state(
+                {k[len(SERVER_PREFIX):]: v for k, v in state.items() if k.startswith(SERVER_PREFIX)})
         self.method.load_server_state({k: v for k, v in state.items() if not k.startswith(prefixes)})
 
 

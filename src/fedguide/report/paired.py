@@ -22,8 +22,9 @@ from fedguide.report.tables import NOT_SETTINGS, _under, describe_settings, diff
 
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
-# What "the method" covers when pairing: its own keys and the regularisers composed with it ("+dw").
-METHOD_KEYS = ("method", "regularizers")
+# What "the method" covers when pairing: its own keys, the regularisers composed with it ("+dw") and the server
+# optimiser ("+server_adam").
+METHOD_KEYS = ("method", "regularizers", "server_optimizer")
 
 
 def bootstrap_interval(diffs: Iterable[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED,
