@@ -6,6 +6,10 @@ feature_dim: null`` is FedDW's MNIST feature extractor (Sec. V-A: "a simple two-
 we add two max pooling layers after the CNN layers"; the FC layers are its mapping layers,
 ``mapping: [128, 128]``). The paper gives no widths or kernel sizes; its released code's MNIST CNN
 (models.py, CNN_mnist) has 5x5 kernels and 10 and 20 channels, and pools (the paper's text does not).
+
+``batch_norm: true`` puts a BatchNorm after each convolution and after the FC layer, before its ReLU, as
+FedBN's digit model does (med-air/FedBN, nets/models.py, DigitModel: conv -> bn -> relu -> pool, fc -> bn ->
+relu): the layers FedBN keeps on each client.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ class CNNParams(HeadParams):
                                                               "none (z = the flattened feature maps)")
     channels: tuple[int, int] = (32, 64)
     pooling: bool = Field(True, description="2x2 max-pooling after each convolution (false: FedDW's MNIST CNN)")
+    batch_norm: bool = Field(False, description="BatchNorm after each convolution and the FC layer (FedBN's digit "
+                                                "model); what method.name=fedbn keeps local")
 
 
 @MODELS.register("cnn", params=CNNParams, summary="2 conv (+ 2 max-pool) + FC encoder (d=512), linear head")
@@ -40,10 +46,14 @@ def build_cnn(params: CNNParams, spec: ModelSpec) -> SplitModel:
     def pool() -> list[nn.Module]:
         return [nn.MaxPool2d(2)] if params.pooling else []
 
-    layers = [nn.Conv2d(c_in, c1, 5), nn.ReLU(inplace=True), *pool(),
-              nn.Conv2d(c1, c2, 5), nn.ReLU(inplace=True), *pool(), nn.Flatten()]
+    def norm(kind: type, width: int) -> list[nn.Module]:
+        return [kind(width)] if params.batch_norm else []
+
+    layers = [nn.Conv2d(c_in, c1, 5), *norm(nn.BatchNorm2d, c1), nn.ReLU(inplace=True), *pool(),
+              nn.Conv2d(c1, c2, 5), *norm(nn.BatchNorm2d, c2), nn.ReLU(inplace=True), *pool(), nn.Flatten()]
     feature_dim = c2 * out_h * out_w
     if params.feature_dim is not None:
-        layers += [nn.Linear(feature_dim, params.feature_dim), nn.ReLU(inplace=True)]
+        layers += [nn.Linear(feature_dim, params.feature_dim), *norm(nn.BatchNorm1d, params.feature_dim),
+                   nn.ReLU(inplace=True)]
         feature_dim = params.feature_dim
     return assemble(nn.Sequential(*layers), feature_dim, spec.num_classes, params)
