@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from fedguide.core.device import DEVICE_NAMES, DEVICE_SUMMARIES
+from fedguide.core.schedules import lr_at
 from fedguide.registry import ConfigError, Parsed, bool_for_number, did_you_mean
 
 # The closed sets of choices a config names are types, so a wrong value is refused when the config is loaded,
@@ -114,6 +115,18 @@ class ClientsConfig(Strict):
     per_round: int = Field(10, ge=1)
 
 
+class ScheduleConfig(Strict):
+    """``train.schedule``: the local learning rate per round (core/schedules.py)."""
+
+    name: Literal["constant", "exponential", "step", "cosine"] = Field(
+        "constant", description="constant; exponential: lr*gamma^(r-1) (FedRCL: gamma 0.998); step: "
+                                "lr*gamma^floor((r-1)/step_rounds); cosine: down to min_lr over train.rounds")
+    gamma: float = Field(0.998, gt=0.0, le=1.0, description="decay factor of exponential (per round) and step "
+                                                             "(per step_rounds rounds)")
+    step_rounds: int = Field(10, ge=1, description="rounds between two decays of step")
+    min_lr: float = Field(0.0, ge=0.0, description="the learning rate cosine reaches after train.rounds rounds")
+
+
 class TrainConfig(Strict):
     rounds: int = Field(20, ge=1)
     epochs: int = Field(1, ge=1)
@@ -123,6 +136,8 @@ class TrainConfig(Strict):
     batch_size: int = Field(64, ge=1)
     optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(0.01, gt=0.0)
+    schedule: ScheduleConfig = Field(ScheduleConfig(), description="the local learning rate over rounds: train.lr "
+                                                                   "is round 1's")
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(1e-5, ge=0.0)
     eval_batch_size: int = Field(1024, ge=1)
@@ -136,6 +151,15 @@ class TrainConfig(Strict):
                                                      "autoaugment (data/augment.py)")
     deterministic: bool = Field(False, description="deterministic algorithms (and cuBLAS's fixed workspace): the "
                                                    "same run twice on one GPU gives the same metrics")
+
+
+    def at_round(self, round_: int) -> "TrainConfig":
+        """These settings with round ``round_``'s learning rate (itself when the schedule is constant)."""
+        s = self.schedule
+        if s.name == "constant":
+            return self
+        return self.model_copy(update={"lr": lr_at(s.name, self.lr, round_, self.rounds, s.gamma, s.step_rounds,
+                                                   s.min_lr)})
 
 
 class GuidanceConfig(Strict):

@@ -40,8 +40,15 @@ def run_client(ctx: RunContext, method: Method, train: TrainConfig, seed: int, r
     ctx.layout.load(ctx.model, method.client_start(cctx))
     torch.manual_seed(derive_seed(seed, "client", round_, client_id))
     t0 = time.perf_counter()
-    loss, state = method.fit(ctx.model, cctx, train)
-    upload = Hooks(method).client_upload(ctx.model, cctx, state)
+    # The round's learning rate (train.schedule): methods read their settings from the run context too (SCAFFOLD's
+    # control variates divide by it), so for this client's round the context holds the round's settings.
+    train = train.at_round(round_)
+    general, ctx.train = ctx.train, train
+    try:
+        loss, state = method.fit(ctx.model, cctx, train)
+        upload = Hooks(method).client_upload(ctx.model, cctx, state)
+    finally:
+        ctx.train = general
     fit_seconds = time.perf_counter() - t0
     if cctx.state_dirty:
         ctx.store.put(client_id, round_, cctx.state)

@@ -217,6 +217,8 @@ class Experiment:
              "eval_seconds": t_eval - t_agg, "client_fit_seconds": sum(res.fit_seconds for res in results),
              "bytes_up": up, "bytes_down": down, "clients": chosen}
         m.update({k: v for k, v in evaluation.items() if k != "accuracy"})
+        if cfg.train.schedule.name != "constant":
+            m["lr"] = cfg.train.at_round(r).lr
         m.update(clients.round_metrics(r))
         return global_w, m
 
