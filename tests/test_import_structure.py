@@ -130,7 +130,7 @@ def test_the_engine_names_no_runtime():
 FL_LAYERS = [
     # the runtime interface, one client's round, and the parts of a run the engine puts together
     {"fedguide.fl", "fedguide.fl.runtime", "fedguide.fl.client_step", "fedguide.fl.run_lock",
-     "fedguide.fl.checkpoint", "fedguide.fl.evaluation", "fedguide.fl.loggers"},
+     "fedguide.fl.checkpoint", "fedguide.fl.evaluation", "fedguide.fl.loggers", "fedguide.fl.participation"},
     {"fedguide.fl.run_folder"},  # what a run folder holds (its lock)
     {"fedguide.fl.setup"},  # a config opened: data, model, method, runtime parameters
     {"fedguide.fl.preflight"},  # a config checked before anything runs

@@ -113,6 +113,12 @@ class RuntimeConfig(Named):
 class ClientsConfig(Strict):
     num: int = Field(10, ge=1)
     per_round: int = Field(10, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="share of each round's sampled clients that fail "
+                                                            "(seeded per round; their uploads are missing)")
+    stragglers: float = Field(0.0, ge=0.0, le=1.0, description="share of each round's training clients that return "
+                                                              "late, with only clients.straggler_steps local steps")
+    straggler_steps: int = Field(1, ge=1, description="the local steps a straggler completes before its upload is "
+                                                      "taken (its train.local_steps)")
 
 
 class ScheduleConfig(Strict):

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 PURPOSE = {"data": 1, "partition": 2, "sampling": 3, "client": 4, "model": 5, "public": 6,
-           "personal": 7, "personal_test": 8, "test_subset": 9}
+           "personal": 7, "personal_test": 8, "test_subset": 9, "dropout": 10, "stragglers": 11}
 
 
 def derive_seed(seed: int, purpose: str, *keys: int) -> int:
@@ -28,3 +28,11 @@ def sample_clients(seed: int, round_: int, num_clients: int, per_round: int) -> 
         return list(range(num_clients))
     chosen = numpy_rng(seed, "sampling", round_).choice(num_clients, size=per_round, replace=False)
     return sorted(int(c) for c in chosen)
+
+
+def sample_subset(seed: int, purpose: str, round_: int, clients: list[int], count: int) -> list[int]:
+    """``count`` of ``clients`` drawn from (seed, purpose, round), in ascending order."""
+    if count <= 0:
+        return []
+    picked = numpy_rng(seed, purpose, round_).choice(len(clients), size=min(count, len(clients)), replace=False)
+    return sorted(clients[int(i)] for i in picked)

@@ -12,6 +12,7 @@ from fedguide.core import simulated
 from fedguide.core.device import to_device
 from fedguide.core.records import Record
 from fedguide.core.seeding import derive_seed, torch_generator
+from fedguide.fl.participation import client_train
 from fedguide.methods.base import ClientContext, Method, RunContext
 from fedguide.methods.compose import Hooks
 
@@ -42,7 +43,7 @@ def run_client(ctx: RunContext, method: Method, train: TrainConfig, seed: int, r
     t0 = time.perf_counter()
     # The round's learning rate (train.schedule): methods read their settings from the run context too (SCAFFOLD's
     # control variates divide by it), so for this client's round the context holds the round's settings.
-    train = train.at_round(round_)
+    train = client_train(train.at_round(round_), ctx.clients, seed, round_, client_id, ctx.num_clients)
     general, ctx.train = ctx.train, train
     try:
         loss, state = method.fit(ctx.model, cctx, train)

@@ -17,9 +17,9 @@ from fedguide.config import Config
 from fedguide.core import simulated
 from fedguide.core.device import device_rules, deterministic, resolve_device, to_device
 from fedguide.core.records import record_bytes
-from fedguide.core.seeding import sample_clients
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedguide.fl.evaluation import personal_summary, personal_test_record, round_evaluation
+from fedguide.fl.participation import participation
 from fedguide.fl.loggers import MetricLoggers, check_available, open_loggers
 from fedguide.fl.run_folder import RunFolder, pinned_config
 from fedguide.fl.runtime import Executor, RunHandle, Runtime, runtime_of
@@ -191,8 +191,9 @@ class Experiment:
     def _round(self, r: int, ctx: RunContext, method: Method, clients: Executor, global_w: torch.Tensor):
         cfg = self.cfg
         t0 = time.perf_counter()
-        chosen = sample_clients(cfg.seed, r, ctx.num_clients, min(cfg.clients.per_round, ctx.num_clients))
-        jobs = [(cid, self.hooks.server_payload(r, cid, global_w)) for cid in chosen]
+        part = participation(cfg.seed, r, ctx.num_clients, cfg.clients)
+        chosen = part.sampled
+        jobs = [(cid, self.hooks.server_payload(r, cid, global_w)) for cid in part.training]
         down = sum(record_bytes(payload) for _, payload in jobs)
         results = clients.run_round(r, jobs, global_w)
         for res in results:
@@ -217,6 +218,10 @@ class Experiment:
              "eval_seconds": t_eval - t_agg, "client_fit_seconds": sum(res.fit_seconds for res in results),
              "bytes_up": up, "bytes_down": down, "clients": chosen}
         m.update({k: v for k, v in evaluation.items() if k != "accuracy"})
+        if cfg.clients.dropout > 0:
+            m["dropped_clients"] = part.dropped
+        if cfg.clients.stragglers > 0:
+            m["straggler_clients"] = part.stragglers
         if cfg.train.schedule.name != "constant":
             m["lr"] = cfg.train.at_round(r).lr
         m.update(clients.round_metrics(r))
@@ -265,6 +270,9 @@ class Experiment:
             "bytes_up_total": int(sum(m["bytes_up"] for m in metrics)),
             "bytes_down_total": int(sum(m["bytes_down"] for m in metrics)),
         }
+        for key, total in (("dropped_clients", "client_dropouts"), ("straggler_clients", "client_stragglers")):
+            if key in metrics[-1]:  # the simulated failures and late returns of the whole run
+                summary[total] = int(sum(len(m.get(key, [])) for m in metrics))
         summary.update(personal_summary(self.cfg, metrics))
         summary.update({k: v for k, v in notes.items() if k != "setup_seconds"})
         summary.update(clients.finish(metrics))
