@@ -304,7 +304,8 @@ def _add_results(sub) -> None:
     rep.add_argument("--metric", choices=ALL_METRICS, default="last_k",
                      help="what a pivot cell holds (default last_k: the mean over the last k rounds); a personal one "
                           "(eval.mode personal/both: the clients' mean, minimum, or worst-10 %% personal accuracy, "
-                          "mean over the last k scored rounds) is also what --vs compares")
+                          "mean over the last k scored rounds) is also what --vs compares; best_val: the test accuracy "
+                          "in the round of the best validation accuracy (data.val_fraction)")
     rep.add_argument("--format", choices=("md", "csv", "latex"), default="md",
                      help="format of the printed table (the pivot, else the results table), also written to --out")
     rep.add_argument("--last-k", dest="last_k", type=int, default=None, metavar="K",

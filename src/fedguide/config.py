@@ -102,6 +102,12 @@ class DataConfig(Named):
         "auto", description="keep the training and test tensors on train.device (8-bit images as uint8): "
                             "auto = when they fit in half its free memory; true = always (an error if not); false = "
                             "on the host, batches copied over")
+    val_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="share of the training data held out for validation (seeded by the run "
+                                         "seed); every round scores it (val_accuracy), report picks the round by it")
+    val_from: Literal["server", "clients"] = Field(
+        "server", description="server: a stratified share of the training set before the partition; clients: the "
+                              "same share of each client's data, per class (each class keeps one training sample)")
 
 
 class RuntimeConfig(Named):
@@ -220,6 +226,9 @@ class EvalConfig(Strict):
                            "(client_class_accuracy: client id -> accuracy; FedCADO Table 2's per-client columns); a "
                            "client's classes are those it has training samples of in the partition, before a "
                            "method such as centralized pools the clients")
+    early_stop: Optional[int] = Field(
+        None, ge=1, description="stop when the validation accuracy (data.val_fraction) has not improved for this "
+                                "many rounds; null = run every round")
 
     @model_validator(mode="after")
     def _every(self) -> "EvalConfig":
@@ -307,6 +316,9 @@ class Config(Strict):
                 f"clients.per_round ({self.clients.per_round}) exceeds clients.num ({self.clients.num}); "
                 "lower clients.per_round"
             )
+        if self.eval.early_stop is not None and self.data.val_fraction == 0:
+            raise ValueError("eval.early_stop watches the validation accuracy, but there is no validation split; set "
+                             "data.val_fraction (e.g. 0.1) or remove eval.early_stop")
         if self.report.last_k is not None and self.report.last_k > self.train.rounds:
             raise ValueError(f"report.last_k ({self.report.last_k}) exceeds train.rounds ({self.train.rounds}); "
                              "lower report.last_k or leave it unset (the last 10 % of rounds)")
@@ -314,7 +326,7 @@ class Config(Strict):
 
 
 # Keys a named section owns itself (not parameters of the entry it names).
-SECTION_KEYS = {"data": ("fraction", "public_fraction", "public_seed", "on_device")}
+SECTION_KEYS = {"data": ("fraction", "public_fraction", "public_seed", "on_device", "val_fraction", "val_from")}
 
 
 @dataclass(frozen=True)
@@ -325,6 +337,8 @@ class DataSection(Parsed):
     public_fraction: float
     public_seed: int
     on_device: Union[Literal["auto"], bool]
+    val_fraction: float = 0.0
+    val_from: str = "server"
 
     def dump(self) -> dict[str, Any]:
         own = {k: getattr(self, k) for k in SECTION_KEYS["data"]}

@@ -24,6 +24,18 @@ def stratified_fraction(labels: np.ndarray, fraction: float, rng: np.random.Gene
     return np.sort(np.concatenate(keep))
 
 
+def validation_part(labels: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """Indices of a per-class share held out for validation: each class gives round-half-up(fraction * its count)
+    samples but keeps at least one for training (a class with one sample gives none)."""
+    held = []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        n = min(int(np.floor(fraction * len(idx) + 0.5)), len(idx) - 1)
+        if n > 0:
+            held.append(rng.choice(idx, size=n, replace=False))
+    return np.sort(np.concatenate(held)) if held else np.empty(0, np.int64)
+
+
 def cells(labels: torch.Tensor, domains: Optional[torch.Tensor], domain_names: Optional[list[str]]) -> np.ndarray:
     """One id per sample: its class, or its (class, domain) pair where the data has domains."""
     y = labels.numpy()
@@ -114,6 +126,9 @@ class FederatedData:
     # of a semi-supervised scenario; both index the training tensors.
     public_indices: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     server_indices: Optional[np.ndarray] = None
+    # data.val_fraction: the training samples held out for validation (from the pool before the partition, or
+    # from each client's share); None without a validation split.
+    val_indices: Optional[np.ndarray] = None
     clients_labeled: bool = True
     # eval.test_subset below 1: the scored test samples' indices into the source's test set (the test
     # tensors hold only those); None = the whole test set.

@@ -18,7 +18,8 @@ from fedguide.core import simulated
 from fedguide.core.device import device_rules, deterministic, resolve_device, to_device
 from fedguide.core.records import record_bytes
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedguide.fl.evaluation import personal_summary, personal_test_record, round_evaluation
+from fedguide.fl.evaluation import (personal_summary, personal_test_record, round_evaluation,
+                                   validation_evaluator)
 from fedguide.fl.participation import participation
 from fedguide.fl.loggers import MetricLoggers, check_available, open_loggers
 from fedguide.fl.run_folder import RunFolder, pinned_config
@@ -52,7 +53,15 @@ def round_line(m: dict[str, Any], rounds: int, eval_mode: str = "global") -> str
     acc = f"{'personal ' if eval_mode == 'personal' else ''}acc {100 * m['accuracy']:6.2f}%"
     if eval_mode == "both" and m.get("personal_accuracy") is not None:
         acc += f"  personal {100 * m['personal_accuracy']:6.2f}%"
+    if m.get("val_accuracy") is not None:
+        acc += f"  val {100 * m['val_accuracy']:6.2f}%"
     return f"round {m['round']:>3}/{rounds}  {acc}  train loss {loss}  {m['seconds']:.1f} s"
+
+
+def stale_rounds(metrics: list[dict[str, Any]]) -> int:
+    """Rounds since the best validation accuracy so far (0 when the last round is the best)."""
+    vals = [m["val_accuracy"] for m in metrics]
+    return len(vals) - 1 - vals.index(max(vals))
 
 
 class Experiment:
@@ -85,6 +94,8 @@ class Experiment:
             record["public_samples"] = int(len(data.public_indices))
         if data.server_indices is not None:
             record["server_samples"] = int(len(data.server_indices))
+        if data.val_indices is not None:
+            record["val_samples"] = int(len(data.val_indices))
         if not data.clients_labeled:
             record["clients_labeled"] = False
         if data.test_subset is not None:
@@ -108,6 +119,7 @@ class Experiment:
         ctx, method = open_run(self.p, self.run_dir)
         # The hooks its regularisers take part in, their records merged in (methods.compose).
         self.hooks = hooks = Hooks(method)
+        self.val_evaluator = validation_evaluator(ctx)  # data.val_fraction: scored every round
         # The server sets up and evaluates with the clients' thread count: results then do not depend on
         # how many processes trained the clients.
         workers, threads = self.runtime.resources(min(self.cfg.clients.per_round, ctx.num_clients),
@@ -172,6 +184,12 @@ class Experiment:
                 self.log(round_line(m, rounds, self.cfg.eval.mode))
                 if task is not None:
                     self.progress.update(task, advance=1)
+                patience = self.cfg.eval.early_stop
+                if patience is not None and r < rounds and stale_rounds(metrics) >= patience:
+                    notes["stopped_early"] = {"after_round": r, "patience": patience}
+                    self.log(f"stopping early after round {r}: validation accuracy has not improved for {patience} "
+                             "rounds (eval.early_stop)")
+                    break
             return self._finish(ctx, clients, global_w, metrics, wall0 + time.perf_counter() - t_run, notes)
         finally:
             try:
@@ -211,7 +229,7 @@ class Experiment:
         t_train = time.perf_counter()
         global_w = self.hooks.aggregate(r, global_w, uploads)
         t_agg = time.perf_counter()
-        evaluation = round_evaluation(cfg, ctx, method, r, global_w)
+        evaluation = round_evaluation(cfg, ctx, method, r, global_w, self.val_evaluator)
         t_eval = time.perf_counter()
         m = {"round": r, "accuracy": evaluation["accuracy"], "loss": loss,
              "seconds": t_eval - t0, "train_seconds": t_train - t0, "aggregate_seconds": t_agg - t_train,
@@ -273,6 +291,12 @@ class Experiment:
         for key, total in (("dropped_clients", "client_dropouts"), ("straggler_clients", "client_stragglers")):
             if key in metrics[-1]:  # the simulated failures and late returns of the whole run
                 summary[total] = int(sum(len(m.get(key, [])) for m in metrics))
+        if "val_accuracy" in metrics[-1]:
+            # The round a run without the test set would pick: the best validation accuracy (the first on ties),
+            # and the test accuracy there; best_accuracy is picked with the test set and is optimistic.
+            picked = max(range(len(metrics)), key=lambda i: (metrics[i]["val_accuracy"], -i))
+            summary.update(best_val_accuracy=metrics[picked]["val_accuracy"], best_val_round=metrics[picked]["round"],
+                           accuracy_at_best_val=curve[picked], final_val_accuracy=metrics[-1]["val_accuracy"])
         summary.update(personal_summary(self.cfg, metrics))
         summary.update({k: v for k, v in notes.items() if k != "setup_seconds"})
         summary.update(clients.finish(metrics))

@@ -3,25 +3,80 @@ personalised model (``Method.personal_model``) on the client's own test split; a
 partition.json and summary.json."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from fedguide.config import Config
-from fedguide.core.evaluation import evaluate_personal
+from fedguide.core.evaluation import Evaluator, evaluate_personal
 from fedguide.data.federated import FederatedData
 from fedguide.methods import Method, RunContext
+from fedguide.registry import ConfigError
 
 PERSONAL_KEYS = ("personal_accuracy", "personal_accuracy_min", "personal_accuracy_bottom10")
 
 
-def round_evaluation(cfg: Config, ctx: RunContext, method: Method, round_: int, global_weights: torch.Tensor
-                     ) -> dict[str, Any]:
+class _ValidationData:
+    """The validation samples (training indices) served as a test set, through the run's device data: the same
+    inputs a training batch gets, without augmentation."""
+
+    def __init__(self, device_data: Any, indices: torch.Tensor):
+        self.device_data, self.indices = device_data, indices
+        self.used = False  # whether a scoring pass read it (a method may score without the run's evaluator)
+
+    def test_batch(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.used = True
+        return self.device_data.train_batch(self.device_data.indices(self.indices[start:stop]), augment=False)
+
+    def test_batch_at(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.used = True
+        return self.device_data.train_batch(self.device_data.indices(self.indices[idx]), augment=False)
+
+
+def validation_evaluator(ctx: RunContext) -> Optional[Evaluator]:
+    """An evaluator like the run's, over its validation split (``data.val_fraction``); None without one."""
+    val = ctx.data.val_indices
+    if val is None:
+        return None
+    test = ctx.evaluator
+    indices = torch.from_numpy(val)
+    return Evaluator(test.model, test.layout, None, ctx.data.splits.train_y[indices], test.batch_size,
+                     device_data=_ValidationData(ctx.device_data, indices), precision=test.precision,
+                     channels_last=test.channels_last)
+
+
+def validation_accuracy(ctx: RunContext, method: Method, round_: int, global_weights: torch.Tensor,
+                        val: Evaluator) -> float:
+    """The method's own evaluation (as ``evaluate`` scores the test set) on the validation split: the run's
+    evaluator is the validation one for the call."""
+    val.device_data.used = False
+    refusal = ConfigError(f"method '{ctx.method_name}' scores the test set without the run's evaluator (its own "
+                          "features or classifier), so it cannot be scored on a validation split; remove "
+                          "data.val_fraction")
+    test, ctx.evaluator = ctx.evaluator, val
+    try:
+        accuracy = method.evaluate(round_, global_weights)["accuracy"]
+    except Exception:
+        if not val.device_data.used:  # e.g. test-set predictions scored against the validation labels
+            raise refusal from None
+        raise
+    finally:
+        ctx.evaluator = test
+    if not val.device_data.used:
+        raise refusal
+    return accuracy
+
+
+def round_evaluation(cfg: Config, ctx: RunContext, method: Method, round_: int, global_weights: torch.Tensor,
+                     val: Optional[Evaluator] = None) -> dict[str, Any]:
     """The round's test metrics. ``global``: the method's ``evaluate``; ``personal``: the personal metrics, the
     round's ``accuracy`` being the personal accuracy (the global test set is not scored); ``both``: the two
-    (the personal ones every ``eval.personal_every`` rounds and at the last)."""
+    (the personal ones every ``eval.personal_every`` rounds and at the last). With a validation split (``val``),
+    ``val_accuracy``: the method's evaluation on it."""
     mode = cfg.eval.mode
     out = method.evaluate(round_, global_weights) if mode != "personal" else {}
+    if val is not None:
+        out["val_accuracy"] = validation_accuracy(ctx, method, round_, global_weights, val)
     if cfg.eval.personal_round(round_, cfg.train.rounds):
         out = {**out, **evaluate_personal(ctx.evaluator, ctx.data.personal_test,
                                           lambda cid: method.personal_model(round_, cid, global_weights))}

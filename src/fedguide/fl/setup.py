@@ -24,7 +24,8 @@ from fedguide.core.state import ClientStateStore
 from fedguide.core.weights import WeightLayout
 from fedguide.data.augment import build_augment, check_augment
 from fedguide.data.device_data import SHARED_DECISION, DeviceData, bytes_needed, decide_on_device
-from fedguide.data.federated import FederatedData, public_pool, scored_test_subset, stratified_fraction
+from fedguide.data.federated import (FederatedData, public_pool, scored_test_subset, stratified_fraction,
+                                     validation_part)
 from fedguide.data.partition import PARTITIONS
 from fedguide.data.scenarios import make_scenario
 from fedguide.data.sources import DATASETS
@@ -124,6 +125,12 @@ def prepare(cfg: Union[Config, ResolvedConfig]) -> Prepared:
     public = public_pool(labels, resolved.data.public_fraction, resolved.data.public_seed)
     pool = np.setdiff1d(pool, public)
     used = pool[stratified_fraction(labels[pool], resolved.data.fraction, numpy_rng(cfg.seed, "data"))]
+    # The validation split is a share of the training data the run uses (after data.fraction).
+    val_fraction, val_from = resolved.data.val_fraction, resolved.data.val_from
+    val: Optional[np.ndarray] = None
+    if val_fraction > 0 and val_from == "server":
+        val = used[validation_part(labels[used], val_fraction, numpy_rng(cfg.seed, "validation"))]
+        used = np.setdiff1d(used, val)
     domains = splits.train_domains.numpy()[used] if splits.train_domains is not None else None
     part = make_scenario(resolved.partition, labels[used], cfg.clients.num, derive_seed(cfg.seed, "partition"),
                          domains, splits.domain_names)
@@ -133,6 +140,14 @@ def prepare(cfg: Union[Config, ResolvedConfig]) -> Prepared:
                           f"'{cfg.method.name}' trains on client labels; choose a method for unlabeled clients "
                           "or another partition")
     partition = [used[p] for p in part.clients]
+    if val_fraction > 0 and val_from == "clients":
+        held = [idx[validation_part(labels[idx], val_fraction, numpy_rng(cfg.seed, "validation", cid))]
+                for cid, idx in enumerate(partition)]
+        partition = [np.setdiff1d(idx, h) for idx, h in zip(partition, held)]
+        val = np.sort(np.concatenate(held))
+    if val is not None and len(val) == 0:
+        raise ConfigError(f"data.val_fraction={val_fraction} holds out no sample (every class of every client is "
+                          "too small); raise data.val_fraction or write data.val_from: server")
     client_indices = method_cls.federation(partition)
     try:  # an architecture that cannot take these inputs is a config error, found before any run dir exists
         model = build_model(cfg.model.name, resolved.model.params, splits.model_spec())
@@ -144,7 +159,7 @@ def prepare(cfg: Union[Config, ResolvedConfig]) -> Prepared:
                   splits.pixel_stats is not None)
     data = FederatedData(splits, client_indices, public_indices=public,
                          server_indices=None if part.server is None else used[part.server],
-                         clients_labeled=part.clients_labeled, test_subset=test_subset)
+                         val_indices=val, clients_labeled=part.clients_labeled, test_subset=test_subset)
     if cfg.eval.client_classes:
         data.client_classes = {cid: np.unique(labels[idx]).tolist() for cid, idx in enumerate(partition)}
     if cfg.eval.mode != "global":

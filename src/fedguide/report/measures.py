@@ -2,7 +2,9 @@
 
 ``last_k`` (the default, the number to compare) is the mean test accuracy over the last k evaluated
 rounds; ``final`` the last round's; ``best`` the maximum over rounds (picked with the test set, so
-optimistic). Per-domain and per-client columns take the same statistic of their own per-round series.
+optimistic); ``best_val`` the test accuracy at the round of the best validation accuracy (``data.val_fraction``:
+the round a run picks without looking at the test set). Per-domain and per-client columns take the same
+statistic of their own per-round series.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Iterable
 
 from fedguide.report.runs import RunRecord, last_k_mean
 
-METRICS = ("last_k", "final", "best")
+METRICS = ("last_k", "final", "best", "best_val")
 # Personalised evaluation (eval.mode personal/both): the mean over the last k scored rounds of the clients'
 # mean personal accuracy, its minimum over clients, and the mean of the worst 10 % of clients.
 PERSONAL_METRICS = {"personal_last_k": "personal_accuracy", "personal_min_last_k": "personal_accuracy_min",
@@ -20,6 +22,7 @@ ALL_METRICS = (*METRICS, *PERSONAL_METRICS)
 # Column names of a cell's statistic: the cells are percentages (summary.json holds the same under
 # accuracy_last_k, final_accuracy and best_accuracy as fractions).
 METRIC_NAMES = {"last_k": "last-k acc %", "final": "final acc %", "best": "best acc %",
+                "best_val": "acc at best val %",
                 "personal_last_k": "personal last-k acc %", "personal_min_last_k": "personal min last-k acc %",
                 "personal_bottom10_last_k": "personal bottom-10 % last-k acc %"}
 
@@ -55,8 +58,20 @@ def common_k(runs: Iterable[RunRecord], override: int | None = None) -> int:
     return max(ks) if ks else 0
 
 
+def at_best_validation(run: RunRecord, key: str = "accuracy") -> float | None:
+    """``key`` in the round of the run's best validation accuracy (the first such round); None without a
+    validation split."""
+    rounds, vals = run.series("val_accuracy")
+    if not vals:
+        return None
+    picked = rounds[max(range(len(vals)), key=lambda i: (vals[i], -i))]
+    return dict(zip(*run.series(key))).get(picked)
+
+
 def measure(run: RunRecord, metric: str, k: int, key: str = "accuracy") -> float | None:
     """``metric`` of the run's per-round ``key`` (``accuracy``, ``domain_accuracy.<d>``, ...)."""
+    if metric == "best_val":
+        return at_best_validation(run, key)
     if key == "accuracy":
         if metric == "last_k":
             return run.accuracy_last(k)

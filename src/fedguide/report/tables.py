@@ -27,6 +27,10 @@ STD_FOOTNOTE = (
     "wall s = a run's whole cost, its set-up (feature extraction, generation, pretraining) and its rounds; the "
     "set-up part is shown beside it where a run had one worth a second."
 )
+BEST_VAL_FOOTNOTE = (
+    "*acc at best val* is the test accuracy in the round of the best validation accuracy (data.val_fraction: "
+    "training samples held out from training), the round a run picks without looking at the test set."
+)
 REPEATED_SEED_FOOTNOTE = (
     "Runs marked \"seed repeated\" share every setting and their seed with another run: two runs of one seed are "
     "not independent samples, so they are shown side by side, never averaged."
@@ -206,11 +210,14 @@ def results_data(runs: Runs, last_k: int | None = None) -> Table:
     extra = list(groups[0].settings) if groups else []  # the keys that tell rows apart, one column each
     # Runs scored on the clients' own test splits (eval.mode personal/both) show that number beside the global one.
     personal = any(r.series("personal_accuracy")[1] for r in runs)
-    own = ["personal last-k acc %"] if personal else []
-    table = Table(HEADER + own + extra, numeric=set(NUMERIC_COLUMNS) | ({len(HEADER)} if personal else set()),
+    # Runs with a validation split (data.val_fraction) show the test accuracy of the round it picks.
+    validated = any(r.series("val_accuracy")[1] for r in runs)
+    own = (["personal last-k acc %"] if personal else []) + (["acc at best val % (mean ± std)"] if validated else [])
+    table = Table(HEADER + own + extra, numeric=set(NUMERIC_COLUMNS) | set(range(len(HEADER), len(HEADER) + len(own))),
                   csv_names={7: ("last-k acc % mean", "last-k acc % std"), 8: ("final acc % mean", "final acc % std"),
                              9: ("best acc % mean", "best acc % std"),
-                             len(HEADER): ("personal last-k acc % mean", "personal last-k acc % std")})
+                             **{len(HEADER) + i: (f"{name.split(' (')[0]} mean", f"{name.split(' (')[0]} std")
+                                for i, name in enumerate(own)}})
     for g in groups:
         k = g.last_k(last_k)
         up = [v / 1e6 for v in g._values("bytes_up_per_round")]
@@ -221,9 +228,10 @@ def results_data(runs: Runs, last_k: int | None = None) -> Table:
             Stat(values(g.runs, "last_k", k)), Stat(values(g.runs, "final", k)), Stat(values(g.runs, "best", k)),
             _cost(wall, g._values("setup_seconds")), Num(statistics.fmean(up) if up else None, ".3f"),
             *([Stat(values(g.runs, "personal_last_k", k))] if personal else []),
+            *([Stat(values(g.runs, "best_val", k))] if validated else []),
             *(g.settings[c] for c in extra),
         ])
-    table.notes = [LAST_K_FOOTNOTE, BEST_FOOTNOTE, STD_FOOTNOTE]
+    table.notes = [LAST_K_FOOTNOTE, BEST_FOOTNOTE, STD_FOOTNOTE] + ([BEST_VAL_FOOTNOTE] if validated else [])
     if any(g.repeated_seed for g in groups):
         table.notes.append(REPEATED_SEED_FOOTNOTE)
     if any(not r.complete for r in runs):
