@@ -196,6 +196,12 @@ def test_runs_end_to_end_and_records_its_setup(tmp_path, tiny_sd, fmnist_root):
     assert record["ndcr_features"]["shape"] == [n, 64]
     assert "seeded sample of the clients' training images" in record["basis_fit"]
     assert record["image_size"] == {"requested": "pipeline", "pixels": 32, "latents": 8, "pipeline_pixels": 32}
+    # t: paper matched to 8 x 8 latents (guidance/timesteps.py), recorded with its rule
+    from fedguide.guidance.timesteps import RULE, paper_matched_t
+    from fedguide.guidance.shared import guidance_model
+
+    alphas = guidance_model(config(tiny_sd, fmnist_root, tmp_path / "c").guidance).noise_scheduler.alphas_cumprod
+    assert record["ndcr_t"] == {"option": "paper", "resolved": paper_matched_t(alphas, 64), "rule": RULE}
     assert (run_dir / "guidance" / "feddifrc_tdcl.safetensors").is_file()
     assert (run_dir / "guidance" / "feddifrc_ndcr.safetensors").is_file()
 

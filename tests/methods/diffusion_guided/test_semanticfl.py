@@ -106,6 +106,11 @@ def test_runs_end_to_end_with_the_documented_feature_shapes(tmp_path, tiny_sd, f
     assert record["images_reach_server"] is True and record["extraction_site"] == "server"
     # Stage 1: the data's own 28 px (7x7 latents on the VAE's factor 4), not the pipeline's 32
     assert record["image_size"] == {"requested": "paper", "pixels": 28, "latents": 7, "pipeline_pixels": 32}
+    from fedguide.guidance.shared import guidance_model
+    from fedguide.guidance.timesteps import paper_matched_t
+
+    alphas = guidance_model(cfg.guidance).noise_scheduler.alphas_cumprod
+    assert record["t"]["option"] == "paper" and record["t"]["resolved"] == paper_matched_t(alphas, 7 * 7)
     assert (run_dir / "guidance" / "semanticfl.safetensors").is_file()
     # The learned projection [d, text hidden] is server state, checkpointed with the weights.
     assert load_checkpoint(run_dir / "checkpoints").method_state["text_proj"].shape == (64, 32)

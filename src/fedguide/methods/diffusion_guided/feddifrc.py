@@ -11,7 +11,9 @@ Local objective (Eq. 14): L = L_CE + λ_TDCL·L_TDCL + λ_NDCR·L_NDCR (λ = 1 i
   "a photo of a {class c}"; positive = the true class, negatives = the others.
   s(z, F) = cos(z, F) / U with U = mean_m ‖z_m − F‖₂, and
   L_TDCL = log(1 + Σ_neg exp(s_neg/τ) / exp(s_pos/τ)) = cross-entropy of s/τ with the positive as target.
-- NDCR (Eq. 9, 12): H̃_i = fused features of x_i noised to t (150) under the true-class prompt;
+- NDCR (Eq. 9, 12): H̃_i = fused features of x_i noised to t under the true-class prompt (the paper's 150 on
+  SD-1.5 at 224 px; ``t: paper``, the default, matches it to the pipeline's latent size by the resolution shift of
+  guidance/timesteps.py: 150 there, 18 on the embedded model's 8 x 8 latents; an integer is used as it is);
   L_NDCR = Σ_q (z_iq − H̃_iq)², averaged over the batch.
 - Self-supervised variant (Sec. 4.3, ``self_supervised: true``): positive prompt "a photo of a similar
   object", negatives "a photo of a {name}" for names of a public class vocabulary, NDCR prompt "a photo
@@ -80,6 +82,7 @@ from fedguide.guidance.fused import FusedFeatures, layer_dims
 from fedguide.guidance.hooks import decoder_layer
 from fedguide.guidance.shared import PROMPT, class_prompts, feature_store, guidance_model
 from fedguide.guidance.store import FeatureKey, FeatureStore
+from fedguide.guidance.timesteps import pipeline_t, t_note
 from fedguide.methods.diffusion_guided._diffusion_features import (ClientPositions, ClientTargets, GuidanceRecord, RowLookup,
                                                   block_channels, cached_features, data_recipe, digest, feature_key,
                                                   fit_basis, fit_sample, guidance_images, in_batches, input_size,
@@ -116,7 +119,9 @@ class FedDifRCParams(BaseModel):
     tau: float = Field(0.06, gt=0.0, description="TDCL temperature (Fig. 6 right)")
     spread: Literal["normalized", "raw"] = Field(
         "normalized", description="U of Eq. 10 from distances of L2-normalised z and F (scale-free) or raw ones")
-    t: int = Field(150, ge=1, description="NDCR noise timestep (Fig. 6 left)")
+    t: Union[Literal["paper"], Annotated[int, Field(ge=1)]] = Field(
+        "paper", description="NDCR noise timestep: paper = the paper's t = 150 on SD-1.5 at 224 px matched to this "
+                             "pipeline's latent size (guidance/timesteps.py); an integer is used as it is")
     layers: list[int] = Field([2, 3, 4], min_length=1, description="decoder layers L (1 = lowest resolution); "
                                                                    "one layer = Table 2's single-layer rows")
     dims: Optional[list[int]] = Field(None, description="per-layer PCA dims summing to d; null = d/2, d/4, ...")
@@ -364,7 +369,9 @@ class FedDifRC(Method):
     def _build_ndcr(self, ex: _Extraction) -> torch.Tensor:
         """NDCR's recipe at the noise timestep t; returns its prompts' tokens."""
         p = self.params
-        spec = FeatureSpec(ex.layers, t=p.t, noise_seed=p.seed, extra={"role": "ndcr"}, image_size=self.image_size)
+        t = pipeline_t(p.t, ex.model, self.image_size)
+        ex.record.note("ndcr_t", t_note(p.t, t), f"FedDifRC: NDCR features at t = {t} ({p.t})")
+        spec = FeatureSpec(ex.layers, t=t, noise_seed=p.seed, extra={"role": "ndcr"}, image_size=self.image_size)
         self.ndcr_feats = DiffusionFeatures(ex.model, spec, self._recipe(ex.layers))
         return ex.model.encode_text(tuple(self.ndcr_prompts)).tokens
 

@@ -5,7 +5,8 @@ Local objective (Eq. 7): L = L_CE + λ_KD·L_KD + λ_CON·L_CON (λ_KD = 1, λ_C
 the sampled clients (Eq. 8; 5 of 10 clients per round in the paper: a config matter, see
 configs/semanticfl_fmnist.yaml).
 
-- Visual features (Eqs. 1-3): l_i = VAE(x_i)·γ, noised to t = 150 (noise drawn from the sample index),
+- Visual features (Eqs. 1-3): l_i = VAE(x_i)·γ, noised to t = 150 (``t: paper``: that step on SD-1.5 at 224 px
+  matched to the pipeline's latent size, guidance/timesteps.py; noise drawn from the sample index),
   one UNet pass, global average pooling of each chosen block, concatenation, PCA to d = the encoder's
   z dim (PooledPCAFeatures in guidance/fused.py). Computed once, offline, through the FeatureStore.
 - Text features: e_c = the text encoder's pooled embedding of "a photo of a {class c}", mapped to d by a
@@ -66,6 +67,7 @@ from fedguide.core.training import make_optimizer
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec
 from fedguide.guidance.fused import PooledPCAFeatures
 from fedguide.guidance.shared import class_prompts, feature_store, guidance_model
+from fedguide.guidance.timesteps import pipeline_t, t_note
 from fedguide.methods.diffusion_guided._diffusion_features import (ClientTargets, GuidanceRecord, RowLookup, block_channels,
                                                   cached_features, data_recipe, digest, feature_key, fit_basis,
                                                   fit_sample, guidance_images, in_batches, input_size,
@@ -87,7 +89,10 @@ class SemanticFLParams(BaseModel):
     kd_form: Literal["normalized", "raw"] = Field(
         "normalized", description="L_KD on L2-normalised visual features at temperature kd_tau, or Eq. 5 raw")
     kd_tau: float = Field(0.2, gt=0.0, description="kd_form=normalized: temperature of both softmaxes")
-    t: int = Field(150, ge=1, description="noise timestep of the visual features (Eq. 2)")
+    t: Union[Literal["paper"], Annotated[int, Field(ge=1)]] = Field(
+        "paper", description="noise timestep of the visual features (Eq. 2): paper = the paper's t = 150 on SD-1.5 "
+                             "at 224 px matched to this pipeline's latent size (guidance/timesteps.py); an integer is "
+                             "used as it is")
     layers: list[str] = Field(default_factory=lambda: list(ALL_BLOCKS), min_length=1,
                               description="UNet blocks pooled and concatenated (Eq. 3)")
     visual_prompt: Literal["empty", "class"] = Field("empty", description="the UNet's text context for Eq. 3")
@@ -199,7 +204,9 @@ class SemanticFL(Method):
         if self.image_size is None:  # the pipeline's configs were not readable before the model was loaded
             self.image_size = loaded_input_size(run, p.image_size, None)
         record.note("image_size", input_size_note(p.image_size, self.image_size, model))
-        spec = FeatureSpec(tuple(p.layers), t=p.t, noise_seed=p.seed,
+        t = pipeline_t(p.t, model, self.image_size)
+        record.note("t", t_note(p.t, t), f"SemanticFL: visual features at t = {t} ({p.t})")
+        spec = FeatureSpec(tuple(p.layers), t=t, noise_seed=p.seed,
                            extra={"role": "semanticfl", "visual_prompt": p.visual_prompt}, image_size=self.image_size)
         self.feats = DiffusionFeatures(model, spec, PooledPCAFeatures(p.layers, d=self.z_dim, seed=p.seed))
         self.prompts = [""] if p.visual_prompt == "empty" else class_prompts(run.data.splits.class_names)
