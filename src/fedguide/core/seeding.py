@@ -7,7 +7,7 @@ import torch
 
 PURPOSE = {"data": 1, "partition": 2, "sampling": 3, "client": 4, "model": 5, "public": 6,
            "personal": 7, "personal_test": 8, "test_subset": 9, "dropout": 10, "stragglers": 11,
-           "validation": 12}
+           "validation": 12, "probe": 13}
 
 
 def derive_seed(seed: int, purpose: str, *keys: int) -> int:

@@ -1,8 +1,9 @@
 """FedEMA (Zhuang, Wen, Zhang, ICLR 2022, "Divergence-aware Federated Self-Supervised Learning"): federated
 BYOL whose clients blend the received global model into their own by a divergence-aware moving average.
-A baseline of FedDifRC's Table 5 (self-supervised FL), run under FedDifRC's Sec. 4.3 protocol: no label is
-used in training, and the global encoder is evaluated by a linear probe (``_linear_probe.py``, the
-evaluation of ``feddifrc self_supervised: true``).
+A baseline of FedDifRC's Table 5 (self-supervised FL): no label is used in training, and the global encoder is
+evaluated by a linear probe as FedEMA's released code evaluates it (``_linear_probe.py``: a linear layer trained
+with Adam on the frozen features of the whole training set, EasyFL applications/fedssl/linear_evaluation.py;
+``probe: sklearn`` the logistic-regression probe), also the evaluation of ``feddifrc self_supervised: true``.
 
 Networks (BYOL): the online encoder is the run's encoder h followed by a projector MLP (d → hidden, BN, ReLU
 → projection_dim); a predictor MLP (projection_dim → hidden, BN, ReLU → projection_dim) sits on top. The
@@ -53,12 +54,12 @@ from torch import nn
 from fedguide.core.aggregation import sample_weighted_average
 from fedguide.core.training import train_local
 from fedguide.core.weights import WeightLayout
-from fedguide.methods._linear_probe import LinearProbe
+from fedguide.methods._linear_probe import LinearProbe, ProbeParams
 from fedguide.methods.personalised._ssl_views import view
 from fedguide.methods.base import METHODS, Method
 
 
-class FedEMAParams(BaseModel):
+class FedEMAParams(ProbeParams):
     model_config = ConfigDict(extra="forbid")
     tau: float = Field(0.7, ge=0.0, le=1.0, description="autoscaler target τ: μ on a client's first blend")
     scaler: Optional[float] = Field(None, gt=0.0, description="a constant λ instead of the autoscaler")
@@ -66,7 +67,6 @@ class FedEMAParams(BaseModel):
     projection_dim: int = Field(2048, ge=1, description="projector and predictor output size (code: 2048)")
     hidden_dim: int = Field(4096, ge=1, description="projector and predictor hidden size (code: 4096)")
     flip: bool = Field(True, description="horizontal flips in the views (off for digits)")
-    probe_samples: int = Field(2000, ge=10, description="training images the linear probe fits on")
     seed: int = Field(0, ge=0, description="seed of the projector and predictor initialisation")
 
 
@@ -155,7 +155,7 @@ class FedEMA(Method):
         self.heads_layout = WeightLayout.of(self.heads)
         self.heads_global = self.heads_layout.flatten(self.heads)
         self._target_model = None
-        self._probe = LinearProbe(run, params.probe_samples)
+        self._probe = LinearProbe(run, params)
         self._mu = 0.0
         # Which entries of (split weights, heads) form the online encoder (divergence) and what is blended.
         model_params = run.layout.parameter_mask(run.model)
