@@ -62,6 +62,24 @@ def test_results_are_bit_identical_for_1_and_4_workers(tmp_path):
     assert_identical(run(tmp_path, "w1", config(1)), run(tmp_path, "w4", config(4)), 4)
 
 
+def worker_pids() -> list[int]:
+    """The pool's worker processes: this process's children started by spawn, or the fork server's children."""
+    def children(pid):
+        return [int(p) for p in os.popen(f"pgrep -P {pid}").read().split()]
+
+    found = []
+    for pid in children(os.getpid()):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline").read()
+        except FileNotFoundError:  # the pgrep that listed it
+            continue
+        if "forkserver" in cmdline:
+            found += children(pid)
+        elif "spawn" in cmdline:
+            found.append(pid)
+    return found
+
+
 def test_a_killed_worker_stops_the_run_with_the_client_named_and_leaves_no_orphans(tmp_path):
     cfg = config(2, train={"rounds": 50, "epochs": 20, "batch_size": 8, "lr": 0.01})
     exp = Experiment(prepare(cfg), tmp_path / "run", log=lambda s: None)
@@ -73,8 +91,7 @@ def test_a_killed_worker_stops_the_run_with_the_client_named_and_leaves_no_orpha
         deadline = time.time() + 60
         while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
             time.sleep(0.01)
-        pids = [int(p) for p in os.popen(f"pgrep -P {os.getpid()}").read().split()]
-        children = [p for p in pids if "spawn" in open(f"/proc/{p}/cmdline").read()]
+        children = worker_pids()
         victims.extend(children)
         os.kill(children[0], signal.SIGKILL)
 
@@ -119,3 +136,33 @@ def test_a_script_without_main_guard_fails_clearly_instead_of_hanging(tmp_path):
                           env=python_env())
     assert proc.returncode != 0
     assert "WorkerCrashed" in proc.stderr and "__main__" in proc.stderr
+
+
+def report_environment(results, environ) -> None:
+    results.put(os.environ.get("FEDGUIDE_POOL_MARK"))
+    if environ is not None:
+        from fedguide.fl.runtimes.local import adopt_environment
+
+        adopt_environment(environ)
+        results.put(os.environ.get("FEDGUIDE_POOL_MARK"))
+
+
+def test_a_worker_takes_the_servers_environment_of_the_moment_its_pool_starts(monkeypatch):
+    # The fork server keeps the environment it started with; a pool started after a change must not miss it.
+    from fedguide.fl.runtimes.local import worker_context
+
+    ctx = worker_context()
+    results = ctx.Queue()
+    first = ctx.Process(target=report_environment, args=(results, None))
+    first.start()  # starts the fork server (the first time) before the variable exists
+    assert results.get(timeout=60) is None
+    first.join()
+    monkeypatch.setenv("FEDGUIDE_POOL_MARK", "set later")
+    later = ctx.Process(target=report_environment, args=(results, dict(os.environ)))
+    later.start()
+    seen = [results.get(timeout=60), results.get(timeout=60)]
+    later.join()
+    if ctx.get_start_method() == "forkserver":
+        assert seen == [None, "set later"]  # inherited from the fork server: stale; adopted: the server's
+    else:
+        assert seen == ["set later", "set later"]

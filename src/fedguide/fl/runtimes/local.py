@@ -52,11 +52,22 @@ def auto_workers(cores: int, per_round: int, num_params: int) -> tuple[int, int]
 
 
 def _die_with_parent() -> None:
-    # Linux: the kernel kills this worker when the server process dies, even by SIGKILL: no orphans.
+    # Linux: the kernel kills this worker when its parent dies, even by SIGKILL: no orphans. The parent is the
+    # server, or the fork server, which exits when the server does (multiprocessing.forkserver).
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else (a reused id: the server is gone either way)
+        return False
+    return True
 
 
 def _next(tasks, parent: int) -> Any:
@@ -65,8 +76,30 @@ def _next(tasks, parent: int) -> Any:
         try:
             return tasks.get(timeout=POLL_SECONDS)
         except queue.Empty:
-            if os.getppid() != parent:  # the server is gone (non-Linux fallback of the death signal)
+            # The server is gone (non-Linux fallback of the death signal). Its id, not getppid(): a worker
+            # forked by the fork server has that server, not the run's, as its parent.
+            if not _alive(parent):
                 return None
+
+
+def worker_context():
+    """Where worker processes come from: a fork server that has imported torch and fedguide once (each worker
+    is then forked from it in a fraction of a second, and it has never run torch's thread pools, so forking it
+    is safe), else spawn (a fresh interpreter per worker, 2-4 s each). The fork server lives as long as the
+    process that started it and serves every pool it opens."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # read when the fork server starts, ignored afterwards
+    return ctx
+
+
+def adopt_environment(environ: dict[str, str]) -> None:
+    """The server's environment as it was when the pool started: a forked worker would otherwise have the fork
+    server's, taken when that started (the working directory and sys.path come with multiprocessing's own
+    start-up data)."""
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def _worker(weights: torch.Tensor, tasks, results, parent: int, ready) -> None:
@@ -77,7 +110,8 @@ def _worker(weights: torch.Tensor, tasks, results, parent: int, ready) -> None:
     start = _next(tasks, parent)
     if start is None:
         return
-    prepared, run_dir, threads = start
+    prepared, run_dir, threads, environ = start
+    adopt_environment(environ)
     torch.set_num_threads(threads)
     ctx, method = open_run(prepared, Path(run_dir), setup=True)
     ready.value = 1  # a worker that dies before this never ran fedguide's code (see _check_alive)
@@ -110,7 +144,7 @@ class WorkerPool(Executor):
         # A client's cost is its number of optimiser steps; the longest go first (LPT) so that no
         # worker starts a long client when the others are about to finish.
         self.costs = [train.local_steps or len(idx) * train.epochs for idx in prepared.data.client_indices]
-        self._mp = mp.get_context("spawn")  # fork is unsafe once torch's thread pools exist
+        self._mp = worker_context()  # never plain fork: unsafe once torch's thread pools exist
         self.results = self._mp.Queue()
         self.procs, self.tasks, self.ready = [], [], []
         for _ in range(workers):
@@ -119,7 +153,7 @@ class WorkerPool(Executor):
             p = self._mp.Process(target=_worker, daemon=True,
                                  args=(self.weights, q, self.results, os.getpid(), ready))
             p.start()
-            q.put((prepared, str(run_dir), threads))
+            q.put((prepared, str(run_dir), threads, dict(os.environ)))
             self.procs.append(p)
             self.tasks.append(q)
             self.ready.append(ready)
