@@ -19,8 +19,6 @@ from tests.tiny import GUIDED_METHODS
 # Settings that let a method's own path run in three rounds: FedCDA aggregates by plain FedAvg for its first
 # 50 rounds, which would leave its cross-round selection unexercised.
 REACH_THE_METHODS_PATH = {"fedcda": {"warmup_rounds": 1}}
-# The model a method needs beyond its declared requirements: FedBN keeps BatchNorm layers, which mlp has on request.
-MODEL_FOR = {"fedbn": {"batch_norm": True}}
 # Methods whose every optimiser step is asserted free of host syncs on the simulated device (a loss summed on the
 # device is fine; one read per step is not).
 NO_SYNC_PER_STEP = {"fedavg", "fedprox", "moon", "scaffold", "feddw", "feduv", "feddistill_plus", "fedrcl"}
@@ -48,7 +46,7 @@ def test_every_method_learns_and_computes_alike_in_process_on_the_simulated_devi
     name, regs = (method.split("+")[0], [method.split("+")[1]]) if "+" in method else (method, [])
     entry = METHODS.get(name).obj
     over = dict(train={"rounds": 3, "epochs": 2, "batch_size": 32, "lr": 0.05}, regularizers=regs,
-                model={"name": "mlp", **required_model(name, regs), **MODEL_FOR.get(name, {})},
+                model={"name": "mlp", **required_model(name, regs)},
                 eval={"mode": "both" if entry.personal_evaluation else "global"})
     section = {"name": name, **REACH_THE_METHODS_PATH[name]} if name in REACH_THE_METHODS_PATH else name
     cpu = run(tmp_path, "w1", config(1, section, **over))

@@ -39,7 +39,7 @@ from torch import nn
 
 from fedguide.models.registry import MODELS, ModelSpec
 from fedguide.models.resnet_deep import STEM_DESCRIPTION, StemChoice, image_shape, uses_imagenet_stem
-from fedguide.models.split import HeadParams, SplitModel, assemble
+from fedguide.models.split import BatchNormParams, HeadParams, SplitModel, assemble
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -113,7 +113,7 @@ def conv_bn_act(c_in: int, c_out: int, kernel: int, stride: int, activation: nn.
     return nn.Sequential(*conv_bn(c_in, c_out, kernel, stride), activation)
 
 
-class MobileNetParams(HeadParams):
+class MobileNetParams(HeadParams, BatchNormParams):
     width: float = Field(1.0, gt=0, description="width multiplier of every channel count")
     stem: StemChoice = Field("auto", description=STEM_DESCRIPTION)
     dropout: float = Field(0.2, ge=0, lt=1, description="dropout on z (the reference classifier's)")

@@ -5,7 +5,7 @@ from pydantic import Field
 from torch import nn
 
 from fedguide.models.registry import MODELS, ModelSpec
-from fedguide.models.split import HeadParams, SplitModel, assemble
+from fedguide.models.split import BatchNormParams, HeadParams, SplitModel, assemble
 
 
 def shortcut(c_in: int, c_out: int, stride: int) -> nn.Module:
@@ -31,7 +31,7 @@ class BasicBlock(nn.Module):
         return self.relu(out + self.shortcut(x))
 
 
-class ResNetParams(HeadParams):
+class ResNetParams(HeadParams, BatchNormParams):
     blocks: tuple[int, int, int, int] = (1, 1, 1, 1)
     width: int = Field(64, ge=1)
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from fedguide.models.registry import MODELS, ModelSpec
 from fedguide.models.resnet import BasicBlock, shortcut
-from fedguide.models.split import HeadParams, SplitModel, assemble
+from fedguide.models.split import BatchNormParams, HeadParams, SplitModel, assemble
 from fedguide.registry import ConfigError
 
 StemChoice = Literal["auto", "cifar", "imagenet"]
@@ -74,7 +74,7 @@ class Bottleneck(nn.Module):
         return self.relu(out + self.shortcut(x))
 
 
-class ResNetDeepParams(HeadParams):
+class ResNetDeepParams(HeadParams, BatchNormParams):
     width: int = Field(64, ge=1, description="channels of the first stage; each later stage doubles them")
     stem: StemChoice = Field("auto", description=STEM_DESCRIPTION)
 

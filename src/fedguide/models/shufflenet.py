@@ -25,7 +25,7 @@ from torch import nn
 
 from fedguide.models.registry import MODELS, ModelSpec
 from fedguide.models.resnet_deep import STEM_DESCRIPTION, StemChoice, image_shape, uses_imagenet_stem
-from fedguide.models.split import HeadParams, SplitModel, assemble
+from fedguide.models.split import BatchNormParams, HeadParams, SplitModel, assemble
 
 STEM_CHANNELS = 24
 UNITS_PER_STAGE = (4, 8, 4)
@@ -70,7 +70,7 @@ class ShuffleUnit(nn.Module):
         return channel_shuffle(torch.cat([left, self.right(right)], dim=1), 2)
 
 
-class ShuffleNetParams(HeadParams):
+class ShuffleNetParams(HeadParams, BatchNormParams):
     width: Literal[0.5, 1.0, 1.5, 2.0] = Field(
         1.0, description="network size: 0.5, 1.0, 1.5 or 2.0 (x1.0 = the paper's main model)")
     stem: StemChoice = Field("auto", description=STEM_DESCRIPTION)

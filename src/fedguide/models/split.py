@@ -1,6 +1,8 @@
 """Every model is an encoder h (x -> z in R^d) followed by a head g (z -> logits)."""
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
@@ -28,6 +30,13 @@ class HeadParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mapping: list[int] = Field(default_factory=list, description="widths of FC+ReLU mapping layers before the head")
     head_bias: bool = Field(True, description="false = classification layer without bias (FedDW)")
+
+
+class BatchNormParams(BaseModel):
+    """``batch_norm`` of an architecture built with BatchNorm layers: always true, declared so that a method
+    requiring them (``model_requirements``, FedBN's) finds it as it finds it on models where it is an option."""
+
+    batch_norm: Literal[True] = Field(True, description="the architecture normalises by batch (fixed)")
 
 
 def assemble(encoder: nn.Sequential, feature_dim: int, num_classes: int, head: HeadParams) -> SplitModel:

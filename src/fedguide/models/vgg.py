@@ -22,7 +22,7 @@ from torch import nn
 
 from fedguide.models.registry import MODELS, ModelSpec
 from fedguide.models.resnet_deep import STEM_DESCRIPTION, StemChoice, image_shape, uses_imagenet_stem
-from fedguide.models.split import HeadParams, SplitModel, assemble
+from fedguide.models.split import BatchNormParams, HeadParams, SplitModel, assemble
 from fedguide.registry import ConfigError
 
 VGG16_BLOCKS = ((64, 64), (128, 128), (256, 256, 256), (512, 512, 512), (512, 512, 512))
@@ -30,7 +30,7 @@ FC_WIDTH = 4096
 POOLED_SIDE = 7  # the ImageNet variant pools the last map to 7x7 before the FC layers
 
 
-class VGGParams(HeadParams):
+class VGGParams(HeadParams, BatchNormParams):
     stem: StemChoice = Field("auto", description=STEM_DESCRIPTION)
     dropout: float = Field(0.5, ge=0, lt=1, description="dropout after each 4096 FC layer (ImageNet variant)")
 

@@ -82,9 +82,19 @@ def test_each_client_keeps_its_own_batchnorm_layers_across_rounds(tmp_path):
     assert torch.equal(glob[method._local], initial)  # the server never receives BatchNorm entries
 
 
-def test_a_model_without_batchnorm_is_refused_with_the_key_to_set(tmp_path):
-    with pytest.raises(ConfigError, match="model.name=mlp has none; set model.batch_norm: true"):
-        _ = open_run(prepare(tiny(model={"name": "mlp"})), tmp_path / "run")[1].setup()
+def test_a_model_without_batchnorm_is_refused_with_the_key_to_set():
+    with pytest.raises(ConfigError, match=r"method.name=fedbn needs model.batch_norm=true \(the config has false\); "
+                                          "set model.batch_norm: true in the config, for every method compared"):
+        prepare(tiny(model={"name": "mlp"}))
+    prepare(tiny(model={"name": "resnet10"}))  # BatchNorm by construction: declared, accepted
+
+
+def test_a_plugin_model_declaring_batchnorm_without_any_is_refused_when_opened(tmp_path, monkeypatch):
+    from fedguide.methods.personalised import fedbn
+
+    monkeypatch.setattr(fedbn, "batch_norm_mask", lambda layout, model: torch.zeros(layout.numel, dtype=torch.bool))
+    with pytest.raises(ConfigError, match="model.name=mlp has none"):
+        open_run(prepare(tiny()), tmp_path / "run")[1].setup()
 
 
 def test_fedbn_resumes_to_the_uninterrupted_result(tmp_path):

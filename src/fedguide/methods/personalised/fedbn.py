@@ -9,9 +9,10 @@ into every client's model, and tests each client's model on that client's test s
 
 Defaults and decisions:
 - Local entries are found by module type, not by name: every entry of a BatchNorm layer (``torch.nn``'s
-  ``_BatchNorm``: BatchNorm1d/2d/3d and SyncBatchNorm), whatever the model calls it. A model without one is
-  refused with a sentence (``model.batch_norm: true`` gives ``cnn`` FedBN's layers, and ``mlp`` one after each hidden layer;
-  ``resnet10`` has them).
+  ``_BatchNorm``: BatchNorm1d/2d/3d and SyncBatchNorm), whatever the model calls it. The method requires
+  ``model.batch_norm: true`` (``model_requirements``): ``cnn`` then has FedBN's layers and ``mlp`` one after each
+  hidden layer; ``resnet10`` and the other BatchNorm architectures declare it fixed. A model declaring it without
+  any BatchNorm layer (a plug-in) is refused when the run is opened.
 - ``weights: equal`` (the released code's 1/K over the round's clients; the paper's Alg. 1 writes the same
   plain mean) or ``samples`` (FedAvg's sample weights).
 - Only the shared entries travel, in both directions; a client that has not trained yet starts from the run's
@@ -57,6 +58,9 @@ class FedBN(Method):
     """FedBN: every entry averaged except the BatchNorm layers, which stay on their client."""
 
     paper = "https://arxiv.org/abs/2102.07623"
+    # A model with BatchNorm layers, declared (cnn, mlp: an option; resnet, mobilenet, ...: fixed), so that the
+    # FedAvg it is compared with runs the same network (set model.batch_norm: true for every method).
+    model_requirements = {"batch_norm": True}
 
     def setup(self) -> None:
         mask = batch_norm_mask(self.run.layout, self.run.model)
