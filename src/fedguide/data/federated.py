@@ -52,7 +52,9 @@ def scored_test_subset(splits: DatasetSplits, fraction: float,
     keep = stratified_fraction(cells(splits.test_y, splits.test_domains, splits.domain_names), fraction, rng)
     at = torch.from_numpy(keep)
     domains = None if splits.test_domains is None else splits.test_domains[at]
-    return replace(splits, test_x=splits.test_x[at], test_y=splits.test_y[at], test_domains=domains), keep
+    groups = None if splits.test_groups is None else splits.test_groups[at]
+    return replace(splits, test_x=splits.test_x[at], test_y=splits.test_y[at], test_domains=domains,
+                   test_groups=groups), keep
 
 
 def public_pool(labels: np.ndarray, fraction: float, public_seed: int) -> np.ndarray:
@@ -174,6 +176,22 @@ class FederatedData:
             return None
         return client_class_counts(self.splits.train_domains.numpy(), self.client_indices,
                                    len(self.splits.domain_names))
+
+    def group_record(self) -> dict:
+        """partition.json's entries for data whose samples have owners (``DatasetSplits.train_groups``):
+        ``groups_per_client``, how many groups each client holds samples of, and where no group is split
+        between clients (the ``natural`` partition) ``client_groups``, each client's group names. Empty for
+        data without groups (domains have their own ``domain_counts``)."""
+        s = self.splits
+        if s.train_groups is None:
+            return {}
+        ids = s.train_groups.numpy()
+        held = [np.unique(ids[idx]) for idx in self.client_indices]
+        record: dict = {"groups_per_client": [len(h) for h in held]}
+        owned = np.concatenate(held) if held else np.empty(0, np.int64)
+        if len(owned) == len(np.unique(owned)):
+            record["client_groups"] = [[s.group_names[g] for g in h] for h in held]
+        return record
 
     def summary(self) -> dict:
         counts = self.class_counts()

@@ -15,6 +15,15 @@ Decisions:
   label order: client 0 gets classes 0..k−1, as in FedCADO's 6 × 10 split of 60 classes).
 - ``semi_supervised`` keeps the server's labeled set out of every client, and marks the clients'
   data unlabeled; methods that train on client labels refuse such a run.
+- ``natural`` (``needs_groups = True``) hands out whole groups: the data's own owners (FEMNIST's
+  writers, ``DatasetSplits.train_groups``), or its domains where it has no groups. Only groups with
+  training samples in the run's data count. ``groups: N`` first draws N of them without replacement
+  (LEAF's sampling of writers, seeded by the run's partition seed). With clients.num equal to the
+  number of groups, client k owns the k-th group in group order (FEMNIST: writers sorted by name, the
+  order LEAF's ``read_dir`` gives its clients, models/utils/model_utils.py line 45), for every seed;
+  with fewer clients, the groups are shuffled and dealt round-robin, so each client owns floor or
+  ceil of G/K groups (the first G mod K clients one more). Groups are not split or resized: client
+  sizes are the groups' own.
 """
 from __future__ import annotations
 
@@ -188,10 +197,53 @@ def semi_supervised(labels: np.ndarray, num_clients: int, params: SemiSupervised
 semi_supervised.needs_domains = True
 
 
+class NaturalParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    groups: Optional[int] = Field(
+        None, ge=1, description="first draw this many groups (writers, domains) at random, seeded, as LEAF samples "
+                                "writers; default: every group with training samples")
+
+
+@PARTITIONS.register("natural", params=NaturalParams,
+                     summary="clients own whole groups: the data's writers (FEMNIST) or domains, k-th group to client k")
+def natural(labels: np.ndarray, num_clients: int, params: NaturalParams, rng: np.random.Generator,
+            groups: Optional[np.ndarray] = None, group_names: Optional[list[str]] = None) -> list[np.ndarray]:
+    if groups is None:
+        raise ConfigError("partition 'natural' needs a dataset whose samples carry a group (a writer, as femnist's) "
+                          "or a domain (e.g. data.name=digits_domains); this dataset has neither: choose such a "
+                          "dataset or another partition (iid, dirichlet, ...)")
+    ids = np.asarray(groups)
+    present = np.unique(ids)  # in group order
+    what = f"{len(present)} groups with training samples"
+    if group_names is not None and len(present) <= 10:
+        what += f" ({', '.join(group_names[g] for g in present)})"
+    if params.groups is not None:
+        if params.groups > len(present):
+            raise ConfigError(f"partition.groups={params.groups} but the data has only {what}; lower "
+                              f"partition.groups to at most {len(present)}")
+        present = np.sort(rng.choice(present, size=params.groups, replace=False))
+        what = f"{len(present)} groups (partition.groups)"
+    if num_clients > len(present):
+        raise ConfigError(f"partition 'natural' gives each client whole groups: {num_clients} clients but {what}; "
+                          f"set clients.num to at most {len(present)}"
+                          + ("" if params.groups is None else " or raise partition.groups"))
+    if num_clients == len(present):
+        owned = [present[k:k + 1] for k in range(num_clients)]
+    else:
+        order = rng.permutation(present)
+        owned = [order[k::num_clients] for k in range(num_clients)]
+    return _sorted([np.flatnonzero(np.isin(ids, own)) for own in owned])
+
+
+natural.needs_groups = True
+
+
 def make_scenario(partition: Parsed, labels: np.ndarray, num_clients: int, seed: int,
-                  domains: Optional[np.ndarray] = None, domain_names: Optional[list[str]] = None) -> Partition:
+                  domains: Optional[np.ndarray] = None, domain_names: Optional[list[str]] = None,
+                  groups: Optional[np.ndarray] = None, group_names: Optional[list[str]] = None) -> Partition:
     """Run ``partition`` (a resolved config's: the entry and its parsed parameters) seeded with ``seed``, check
-    no client is empty."""
+    no client is empty. ``groups``: every sample's owner id (``DatasetSplits.owner_groups``), for the
+    partitions that set ``needs_groups``."""
     if num_clients < 1:
         raise ConfigError(f"clients.num must be >= 1, got {num_clients}")
     labels = np.asarray(labels)
@@ -199,6 +251,10 @@ def make_scenario(partition: Parsed, labels: np.ndarray, num_clients: int, seed:
         raise ValueError(f"labels must be 1-D, got shape {labels.shape}")
     fn, name = partition.entry.obj, partition.name
     extra = {"domains": domains, "domain_names": domain_names} if getattr(fn, "needs_domains", False) else {}
+    if getattr(fn, "needs_groups", False):
+        if groups is not None and len(groups) != len(labels):
+            raise ValueError(f"groups has {len(groups)} entries for {len(labels)} labels")
+        extra.update(groups=groups, group_names=group_names)
     out = fn(labels, num_clients, partition.params, np.random.default_rng(seed), **extra)
     result = out if isinstance(out, Partition) else Partition(out)
     empty = [k for k, p in enumerate(result.clients) if len(p) == 0]

@@ -133,7 +133,7 @@ def prepare(cfg: Union[Config, ResolvedConfig]) -> Prepared:
         used = np.setdiff1d(used, val)
     domains = splits.train_domains.numpy()[used] if splits.train_domains is not None else None
     part = make_scenario(resolved.partition, labels[used], cfg.clients.num, derive_seed(cfg.seed, "partition"),
-                         domains, splits.domain_names)
+                         domains, splits.domain_names, *splits.owner_groups(used))
     method_cls = resolved.method.entry.obj
     if not part.clients_labeled and method_cls.needs_client_labels:
         raise ConfigError(f"partition '{cfg.partition.name}' leaves the clients' data unlabeled, but method "
