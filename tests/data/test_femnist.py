@@ -188,3 +188,14 @@ def test_fewer_clients_than_writers_deal_whole_writers(isolated):
     assert data.group_record()["groups_per_client"] == [len(o) for o in owned]
     with pytest.raises(ConfigError, match=r"4 clients but 3 groups"):
         prepare(run_config(root, clients={"num": 4, "per_round": 4}))
+
+
+def test_a_scored_test_subset_keeps_each_samples_writer(isolated):
+    root = isolated / "femnist"
+    write_leaf(root, writers={**WRITERS, "f0102_07": ([0, 1, 2], [0, 0, 0, 0, 9]), "f0211_33": ([5, 5], [0, 0, 0])})
+    full = load(root)
+    splits = prepare(run_config(root, eval={"test_subset": 0.5})).data.splits
+    assert 0 < len(splits.test_y) < len(full.test_y)
+    # the kept samples' writers are their own: match each kept image to its row in the full test set
+    rows = [int(torch.nonzero((full.test_x == x).all(dim=(1, 2, 3)))[0]) for x in splits.test_x]
+    assert splits.test_groups.tolist() == full.test_groups[rows].tolist()
