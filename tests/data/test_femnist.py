@@ -61,10 +61,13 @@ def test_class_order_is_leafs_relabelling():
     # relabel_class: '30'..'39' -> 0..9, '41'..'5a' -> 10..35, '61'..'7a' -> 36..61 (NIST's hex folder names)
     assert len(CLASS_NAMES) == 62
     assert [CLASS_NAMES[i] for i in (0, 9, 10, 35, 36, 61)] == ["0", "9", "A", "Z", "a", "z"]
+    def relabel_class(c):  # data_to_json.py lines 25-38, as written there
+        if c.isdigit() and int(c) < 40:
+            return int(c) - 30
+        return int(c, 16) - 55 if int(c, 16) <= 90 else int(c, 16) - 61
+
     for hexname in ("30", "39", "41", "5a", "61", "7a"):
-        c = hexname
-        leaf = int(c) - 30 if c.isdigit() and int(c) < 40 else (int(c, 16) - 55 if int(c, 16) <= 90 else int(c, 16) - 61)
-        assert CLASS_NAMES[leaf] == chr(int(hexname, 16))
+        assert CLASS_NAMES[relabel_class(hexname)] == chr(int(hexname, 16))
 
 
 def test_loader_reads_writers_as_groups_and_normalises_with_train_statistics(isolated):

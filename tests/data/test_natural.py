@@ -100,7 +100,8 @@ def test_a_dataset_without_groups_or_domains_is_refused():
 def splits_with(groups=None, names=None, domains=None):
     n = len(LABELS)
     dom = None if domains is None else torch.as_tensor(domains)
-    return DatasetSplits(torch.zeros(n, 1), torch.as_tensor(LABELS), torch.zeros(2, 1), torch.zeros(2, dtype=torch.int64),
+    return DatasetSplits(torch.zeros(n, 1), torch.as_tensor(LABELS), torch.zeros(2, 1),
+                         torch.zeros(2, dtype=torch.int64),
                          ["a", "b", "c", "d"], train_groups=None if groups is None else torch.as_tensor(groups),
                          group_names=names, train_domains=dom,
                          test_domains=None if dom is None else torch.zeros(2, dtype=torch.int64),

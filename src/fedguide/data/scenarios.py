@@ -205,7 +205,7 @@ class NaturalParams(BaseModel):
 
 
 @PARTITIONS.register("natural", params=NaturalParams,
-                     summary="clients own whole groups: the data's writers (FEMNIST) or domains, k-th group to client k")
+                     summary="clients own whole groups (FEMNIST's writers, or domains): group k to client k")
 def natural(labels: np.ndarray, num_clients: int, params: NaturalParams, rng: np.random.Generator,
             groups: Optional[np.ndarray] = None, group_names: Optional[list[str]] = None) -> list[np.ndarray]:
     if groups is None:
