@@ -176,13 +176,19 @@ def client_summary(features: torch.Tensor, pseudo: torch.Tensor, num_classes: in
             "domain_features": noisy_g, "pseudo_label_counts": counts}
 
 
-def privacy_report(noise: FeatureNoise, norm_bound: float, min_count: int, delta: float) -> dict[str, Any]:
+MEAN_ASSUMPTION = ("per released vector: a mean over >= min_samples_per_vector features of norm <= norm_bound, "
+                   "one sample replaced, grouping into pseudo-classes and clusters held fixed")
+
+
+def privacy_report(noise: FeatureNoise, norm_bound: float, min_count: int, delta: float, vectors_per_sample: int = 2,
+                   assumption: str = MEAN_ASSUMPTION) -> dict[str, Any]:
     """The (ε, δ) figures of the module docstring for the process that noised, plus ε for a range of
-    cluster sizes."""
+    cluster sizes; ``vectors_per_sample``: how many noised vectors one sample enters (composed into
+    ``epsilon_upload``)."""
     from fedguide.guidance.privacy import analytic_epsilon, compose_mu
 
     query = noise.privacy(norm_bound, min_count, delta)
-    upload = compose_mu([query.mu, query.mu])
+    upload = compose_mu([query.mu] * vectors_per_sample)
     return {
         **noise.describe(norm_bound),
         "noise_level": noise.level, "alpha_bar": noise.alpha_bar, "sigma": query.sigma, "norm_bound": norm_bound,
@@ -191,8 +197,7 @@ def privacy_report(noise: FeatureNoise, norm_bound: float, min_count: int, delta
         "mu_upload": upload, "epsilon_upload": analytic_epsilon(upload, delta),
         "epsilon_by_samples_per_vector": {str(m): noise.privacy(norm_bound, m, delta).epsilon
                                           for m in CLUSTER_SIZES_REPORTED},
-        "assumption": "per released vector: a mean over >= min_samples_per_vector features of norm <= norm_bound, "
-                      "one sample replaced, grouping into pseudo-classes and clusters held fixed",
+        "assumption": assumption,
     }
 
 
@@ -254,13 +259,15 @@ class CentroidOneShot(Method):
             self.process = resolve_process(self.params.noise_process, self.features.model.is_unclip)
         return self.process
 
-    def feature_noise(self, scale: Optional[float] = None) -> FeatureNoise:
-        """Eq. 5's noise process on the guidance model at ``noise_level`` (``scale``: c, default the server's)."""
+    def feature_noise(self, scale: Optional[float] = None, level: Optional[int] = None) -> FeatureNoise:
+        """Eq. 5's noise process on the guidance model at ``level`` (default ``noise_level``; ``scale``: c,
+        default the server's)."""
         process = self.noise_process()
         if process == "unclip" and scale is None:
             self.ensure_prototypes()
             scale = self.condition_scale
-        return FeatureNoise.of(process, self.features.model, self.params.noise_level, 1.0 if scale is None else scale)
+        level = self.params.noise_level if level is None else level
+        return FeatureNoise.of(process, self.features.model, level, 1.0 if scale is None else scale)
 
     def server_payload(self, round_, client_id, global_weights):
         if round_ > 1:
@@ -283,16 +290,23 @@ class CentroidOneShot(Method):
             return {}
         feats = self.features.train(ctx.data.indices.numpy())
         pseudo = self.client_labels(feats, ctx)
-        seed = self.run.seed
+        return client_summary(feats, pseudo, self.run.num_classes, self.params, self.client_noise(ctx),
+                              lambda j: self.kmeans_seed(ctx, j), self.noise_generator(ctx))
+
+    def client_noise(self, ctx, level: Optional[int] = None) -> FeatureNoise:
+        """The client's noise process at ``level`` (default ``noise_level``), at the scale c the server sent."""
         scale = ctx.payload.get("condition_scale")
         if scale is None and self.noise_process() == "unclip":
             raise ConfigError("noise_process=unclip noises at the embedding scale the server sends with its "
                               "prototypes (condition_scale), and this payload has none; run server and clients "
                               "with the same method settings")
-        noise = self.feature_noise(None if scale is None else float(scale))
-        return client_summary(feats, pseudo, self.run.num_classes, self.params, noise,
-                              lambda j: _seed32(seed, ctx.round, ctx.client_id, KMEANS_TAG, j),
-                              torch_generator(seed, "client", ctx.round, ctx.client_id, NOISE_TAG))
+        return self.feature_noise(None if scale is None else float(scale), level)
+
+    def kmeans_seed(self, ctx, j: int) -> int:
+        return _seed32(self.run.seed, ctx.round, ctx.client_id, KMEANS_TAG, j)
+
+    def noise_generator(self, ctx) -> torch.Generator:
+        return torch_generator(self.run.seed, "client", ctx.round, ctx.client_id, NOISE_TAG)
 
     def client_labels(self, feats: torch.Tensor, ctx) -> torch.Tensor:
         """The class each of the client's samples is grouped under: Eq. 3's pseudo-label."""
@@ -311,9 +325,17 @@ class CentroidOneShot(Method):
         return train_head(head, features, labels, p.head_epochs, p.head_lr, p.head_batch_size, p.head_momentum,
                           p.head_weight_decay, torch.Generator().manual_seed(seed % 2 ** 31))
 
+    def classifier_ready(self) -> bool:
+        """Whether the server's classifier exists (round 1 built it)."""
+        return self.head is not None
+
+    def fitted_weights(self, global_weights: torch.Tensor) -> torch.Tensor:
+        """The global weights after ``fit_head``: the run's model is not this classifier, so unchanged."""
+        return global_weights
+
     def aggregate(self, round_, global_weights, uploads):
         uploads = [u for u in uploads if "centroids" in u]
-        if not uploads or self.head is not None:
+        if not uploads or self.classifier_ready():
             return global_weights
         if sum(len(u["centroids"]) for u in uploads) == 0:
             raise ConfigError("no client uploaded a centroid (every pseudo-class is smaller than "
@@ -323,7 +345,7 @@ class CentroidOneShot(Method):
         self.info.update(info)
         self.info["pseudo_label_accuracy"] = self._pseudo_label_accuracy()
         self._write_privacy()
-        return global_weights
+        return self.fitted_weights(global_weights)
 
     def _pseudo_label_accuracy(self) -> float:
         self.ensure_prototypes()
@@ -346,7 +368,10 @@ class CentroidOneShot(Method):
     def evaluate(self, round_, global_weights):
         if self.head is None:
             raise ConfigError(f"{type(self).__name__} has no classifier yet: round 1 had no uploads")
-        out = head_metrics(self.run, self.head, self.features.test())
+        return self.with_report(head_metrics(self.run, self.head, self.features.test()))
+
+    def with_report(self, out: dict[str, Any]) -> dict[str, Any]:
+        """A round's metrics plus the run's diagnostics and its privacy figures."""
         self.ensure_prototypes()
         out.update(self.info)
         report = self.privacy()

@@ -13,9 +13,10 @@ processes, and the (ε, δ) each gives (``method.noise_process``).
   token-conditioned models such as the embedded ones, which have no image-noising scheduler.
 - ``auto`` (default): ``unclip`` on an unCLIP pipeline, else ``unet_schedule``.
 
-Not reproduced from the released code: its clients noise at level 500 before k-means and its server
-noises the centroids again at 200 and averages the two level embeddings; FedDISC's Eq. 5 and the paper's
-n = 200 describe one noising by the client, which is what is released here.
+The released code's clients noise every sample at level 500 before k-means and its server noises the
+centroids again at 200 and averages the two level embeddings; FedDISC's Eq. 5 and the paper's n = 200
+describe one noising by the client, the default here; feddisc's ``schedule: released``
+(_released_schedule.py) runs the released two-level schedule with these same processes.
 
 Privacy: ``unet_schedule`` is ``noised_mean_privacy`` (Δ = 2B√ᾱ/m, σ = √(1−ᾱ)); ``unclip`` is
 ``standardised_noised_mean_privacy`` (Δ = 2Bc√ᾱ/(m·min σ_normaliser)), both in guidance/privacy.py.

@@ -10,12 +10,36 @@ protocol of ``_centroids.py``. Step 4, on the server, after the one upload:
 - Eq. 7: composed guidance ε̂ = ε(C_j) + w_f(ε(z̄, C_j) − ε(C_j)) + w_g(ε(ḡ, C_j) − ε(C_j)), w_f = w_g = 2,
   DDIM with ``steps`` = 20, through ``fedguide.guidance.samplers.sample`` with one ``Condition`` per image
   feature, built by ``model.condition_inputs`` (unCLIP class labels, or the embedded model's image token).
-  The prompt C_j is the class name only ("a photo of a {name}", the embedded models' training prompt;
-  no style or domain words, as in the paper). ``cfg_scale`` = 1 is Eq. 7 literally (no unconditional
-  pass); another value adds text classifier-free guidance on top.
-- A linear head on the frozen image encoder is trained on the generated images with their classes
-  (SGD, lr 0.01, batch 256); the run's accuracy is encoder + head on the test set.
-  ``head_epochs`` (100) is chosen here: the paper states none; the released crosssilo.py trains 10 epochs.
+  The base branch ε(C_j) is the paper's: text-conditioned, the class prompt with no image feature (on an
+  unCLIP model a zero embedding at level 0). The prompt C_j is the class name only ("a photo of a
+  {name}", the embedded models' training prompt; no style or domain words, as in the paper).
+  ``cfg_scale`` = 1 is Eq. 7 literally (no unconditional pass); another value adds text classifier-free
+  guidance on top.
+- The server's classifier (``head``):
+  ``encoder`` (default, FedDISC's protocol, Sec. 4.1): a linear head on the frozen image encoder trained on
+  the generated images with their classes (SGD, lr 0.01, batch 256); the run's accuracy is encoder + head
+  on the test set. ``head_epochs`` (100) is chosen here: the paper states none; the released crosssilo.py
+  trains 10 epochs (crosssilo.py:39, server.py:209-222).
+  ``model``: the run's own model (``model:`` of the config, e.g. ResNet-10) is trained from its initial
+  weights on the generated images, brought to the dataset's size and channels (8-bit, standardised as the
+  real images are), with cross-entropy for ``model_epochs`` (10, the released server's epochs) and the
+  ``train`` section's optimizer, lr, momentum, weight decay and batch size, no augmentation; the run's
+  accuracy is that model's, scored by the engine's evaluator. This is the row of FedDifRC's Table 6
+  (CIFAR-10 / CIFAR-10-LT, ResNet-10 for every row, FedDifRC Sec. 5.1; hwang52/FedDifRC
+  model/resnet_cnn.py:118): its 75-87 % are the level of a ResNet-10, which a linear head on frozen
+  CLIP-ViT-H is not. FedDifRC does not say how it trained FedDISC's row; here the synthetic set alone
+  trains the model on the server, FedDISC's one-shot protocol with the classifier swapped. The prototypes,
+  pseudo-labels and k-means still use the frozen image encoder.
+- ``schedule`` (_released_schedule.py, with file and line of the authors' code for each rule): ``paper``
+  (default) is Eq. 3-7 as above; ``released`` is MingzhaoYang/FedDISC as crosssilo.py runs it: every
+  client feature noised at ``client_noise_level`` (500) before Euclidean pseudo-labels and k-means (a
+  class's noised features themselves when it has at most L), no client-side noise after that; the
+  server's domain feature of a client the mean of its uploaded vectors of the class; each image's
+  centroid noised again at ``noise_level`` (200) with the mean of the two levels' embeddings (unCLIP);
+  domain features paired round robin (image ``idx`` of a class with client ``idx mod K``, none where that
+  client lacks the class); and the unconditional base branch: ε̂ = ε(∅, 0) + w_f(ε(z̄, C_j) − ε(∅, 0)) +
+  w_g(ε(ḡ, C_j) − ε(∅, 0)), ∅ the empty prompt and 0 an all-zero image condition. Its privacy figure is
+  the per-sample mechanism at level 500 (m = 1; the rest is post-processing).
 
 Decisions where the paper is silent:
 - Scale of the image conditions: the uploaded features live at norm ≤ B (see _frozen_encoder); before
@@ -58,17 +82,26 @@ from typing import Literal, Optional, Sequence
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from fedguide.core.seeding import derive_seed
-from fedguide.methods.frozen_encoder._centroids import CentroidOneShot, CentroidParams, uploaded_centroids
+from fedguide.core.seeding import derive_seed, torch_generator
+from fedguide.methods.frozen_encoder._centroids import (CentroidOneShot, CentroidParams, privacy_report,
+                                                        uploaded_centroids)
+from fedguide.methods.frozen_encoder._frozen_encoder import score
 from fedguide.methods.frozen_encoder._generation_cache import GenerationCache, batch_key
-from fedguide.methods._synthetic import from_uint8, to_uint8
+from fedguide.methods.frozen_encoder._released_schedule import (CLIENT_NOISE_LEVEL, euclidean_pseudo_labels,
+                                                                noised_client_summary, plan_released,
+                                                                released_conditions)
+from fedguide.methods._synthetic import check_image_data, from_uint8, stored_to_model_input, to_stored, to_uint8
 from fedguide.guidance.progress import progress
 from fedguide.methods.base import METHODS
 from fedguide.registry import ConfigError
 
-PAIRING_TAG, GENERATION_TAG = 21, 22
+PAIRING_TAG, GENERATION_TAG, SECOND_NOISE_TAG, MODEL_TAG = 21, 22, 23, 24
+RELEASED_ASSUMPTION = ("per sample: every feature is noised on its own before pseudo-labelling and clustering, so "
+                       "the upload (centroids, counts) and everything the server derives are post-processing of "
+                       "one noised vector per sample; with client_labels: own the counts are the true labels' and "
+                       "fall outside it")
 PROGRESS_FROM = 256  # a generation of at least this many images shows a progress bar (stderr)
 SAMPLES_FILE = "feddisc_samples.safetensors"
 GENERATION_DIR = "feddisc_generation"  # finished sampler batches, so a stopped run resumes after the last
@@ -92,6 +125,43 @@ class FedDISCParams(CentroidParams):
     client_labels: Literal["pseudo", "own"] = Field(
         "pseudo", description="what groups a client's samples: Eq. 3's pseudo-labels, or its own labels (labeled "
                               "clients: FedDISC as FedDifRC's Table 6 runs it)")
+    schedule: Literal["paper", "released"] = Field(
+        "paper", description="paper: Eq. 3-7 (clients noise centroids and domain features once at noise_level, "
+                             "text-conditioned base branch); released: the authors' code (every feature noised at "
+                             "client_noise_level before Euclidean pseudo-labels and k-means, domain features the "
+                             "means of a client's centroids, centroids noised again at noise_level, round-robin "
+                             "pairing, unconditional base branch)")
+    client_noise_level: int = Field(
+        CLIENT_NOISE_LEVEL, ge=0, description="schedule released: the level every client feature is noised at "
+                                              "before clustering (released client.py: 500)")
+    head: Literal["encoder", "model"] = Field(
+        "encoder", description="the server's classifier: encoder = a linear head on the frozen image encoder "
+                               "(FedDISC's protocol); model = the run's own model (model:) trained on the "
+                               "generated images (FedDifRC's Table 6 row, ResNet-10)")
+    model_epochs: int = Field(
+        10, ge=1, description="head model: epochs of the run's model on the generated images (the released "
+                              "server's 10), with the train section's optimizer, lr, momentum, weight decay and "
+                              "batch size")
+
+    @model_validator(mode="after")
+    def _one_reading(self) -> "FedDISCParams":
+        given = self.model_fields_set
+        if self.schedule == "paper" and "client_noise_level" in given:
+            raise ValueError("client_noise_level is the released schedule's client noising; set schedule: released "
+                             "or drop it (the paper schedule noises once, at noise_level)")
+        if self.schedule == "released" and "min_cluster_size" in given:
+            raise ValueError("min_cluster_size belongs to the paper schedule; the released schedule uploads a "
+                             "class's noised features themselves when it has at most num_centroids of them")
+        if self.schedule == "released" and self.cfg_scale != 1:
+            raise ValueError("the released schedule's base branch is already unconditional (empty prompt, zero "
+                             "embedding); cfg_scale adds text guidance to the paper's Eq. 7 only: set cfg_scale: 1")
+        if self.head == "model" and self.head_train_set != "generated":
+            raise ValueError("head: model trains the run's model on images; the uploaded centroids are features: "
+                             "use head_train_set: generated or head: encoder")
+        if self.head == "encoder" and "model_epochs" in given:
+            raise ValueError("model_epochs trains the run's model, which head: encoder does not use; set head: model "
+                             "or drop it")
+        return self
 
 
 # ---- Eq. 6: what to generate -----------------------------------------------------------------------------
@@ -197,7 +267,8 @@ def save_samples(images: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
 
 @METHODS.register("feddisc", params=FedDISCParams)
 class FedDISC(CentroidOneShot):
-    """FedDISC: one-shot; noisy client centroids + domain features guide diffusion generation; linear head on CLIP."""
+    """FedDISC: one-shot; noisy client centroids + domain features guide diffusion generation; a linear head on
+    the frozen image encoder (or the run's model) trained on the images."""
 
     paper = "https://arxiv.org/abs/2305.04063"
 
@@ -206,12 +277,53 @@ class FedDISC(CentroidOneShot):
             raise ConfigError("method.client_labels=own groups each client's samples by its own labels, but the "
                               "clients of this partition are unlabeled; use client_labels: pseudo or a labeled "
                               "partition (dirichlet, nid2, ...)")
+        if self.params.head == "model":  # the generated images must reach the run's model in its input format
+            check_image_data(self.run.data.splits, "feddisc with head: model")
         super().setup()
+        self.model_trained = False
+        self.model_weights: Optional[torch.Tensor] = None
 
+    @property
+    def released(self) -> bool:
+        return self.params.schedule == "released"
+
+    # ---- client ----
     def client_labels(self, feats, ctx):
         if self.params.client_labels == "own":  # labeled clients: their labels replace Eq. 3
             return ctx.data.labels().to(feats.device)
+        if self.released:  # released client.py:40-44, on the noised features
+            return euclidean_pseudo_labels(feats, ctx.payload["prototypes"], ctx.payload["prototype_present"])
         return super().client_labels(feats, ctx)
+
+    def client_upload(self, model, ctx, state):
+        if not self.released or "prototypes" not in ctx.payload:
+            return super().client_upload(model, ctx, state)
+        feats = self.features.train(ctx.data.indices.numpy())
+        # released client.py:11-13 / sdmodel.py:73-77: every sample's feature noised before anything else
+        noised = self.client_noise(ctx, self.params.client_noise_level).apply(feats, self.noise_generator(ctx))
+        return noised_client_summary(noised, self.client_labels(noised, ctx), self.run.num_classes, self.params,
+                                     lambda j: self.kmeans_seed(ctx, j))
+
+    def privacy(self):
+        if not self.released:
+            return super().privacy()
+        # One noised vector per sample; what follows it is post-processing (RELEASED_ASSUMPTION).
+        report = privacy_report(self.feature_noise(level=self.params.client_noise_level), self.features.norm, 1,
+                                self.params.privacy_delta, vectors_per_sample=1, assumption=RELEASED_ASSUMPTION)
+        return {**report, "schedule": "released"}
+
+    # ---- server ----
+    def plan(self, uploads) -> GenerationPlan:
+        """What to generate: Eq. 6's draw (paper), or the released round robin with the centroids noised a
+        second time at ``noise_level``, one ε row per image (released server.py:158-168)."""
+        p = self.params
+        if not self.released:
+            rng = np.random.default_rng(derive_seed(self.run.seed, "model", PAIRING_TAG))
+            return plan_generation(uploads, p.images_per_centroid, p.use_domain_features, p.min_cluster_size, rng)
+        labels, centroids, domain, who = plan_released(uploads, p.images_per_centroid, p.use_domain_features,
+                                                       self.run.num_classes)
+        again = self.feature_noise().apply(centroids, torch_generator(self.run.seed, "model", SECOND_NOISE_TAG))
+        return GenerationPlan(labels, again, domain, who)
 
     def fit_head(self, uploads):
         from fedguide.guidance.samplers import SamplerConfig, sample
@@ -221,15 +333,19 @@ class FedDISC(CentroidOneShot):
         model, feats = self.features.model, self.features
         check_conditioning(model, feats.dim)
         t0 = time.perf_counter()
-        rng = np.random.default_rng(derive_seed(self.run.seed, "model", PAIRING_TAG))
-        plan = plan_generation(uploads, p.images_per_centroid, p.use_domain_features, p.min_cluster_size, rng)
+        plan = self.plan(uploads)
         self.ensure_prototypes()
         cond_scale = self.condition_scale
+        unclip = self.noise_process() == "unclip"
         # unclip: the uploads were noised to noise_level by the pipeline's own process; tell the UNet that level
-        level = {"noise_level": p.noise_level, "noised": True} if self.noise_process() == "unclip" else {}
+        level = {"noise_level": p.noise_level, "noised": True} if unclip else {}
+        # released, unclip: the server's level and the clients' (their level embeddings are averaged)
+        levels = (p.noise_level, p.client_noise_level) if unclip else None
         prompts = class_prompts(self.run.data.splits.class_names, p.prompt)
         cache = GenerationCache(self.run.run_dir / GENERATION_DIR)
         guidance = self.run.guidance.model_dump(mode="json")
+        to_model = p.head == "model"
+        splits = self.run.data.splits
         gen_feats, gen_labels, grid, grid_labels, grid_clients = [], [], [], [], []
         reused = 0  # images of batches a stopped run had finished (not counted in generation_seconds)
         with progress(len(plan.labels), "generating", enabled=len(plan.labels) >= PROGRESS_FROM) as advance:
@@ -247,17 +363,36 @@ class FedDISC(CentroidOneShot):
                     config = SamplerConfig(scheduler=p.scheduler, steps=p.steps, guidance_scale=p.cfg_scale,
                                            eta=p.eta, batch_size=p.gen_batch_size, progress=False, seed=seed)
                     shown = max(p.sample_grid - sum(len(k) for k in kept), 0)
-                    key = batch_key({"prompt": prompts[j], "sampler": config, "weights": [w for w, _ in pairs],
-                                     "level": level, "shown": shown, "guidance": guidance},
-                                    {f"condition{i}": c for i, (_, c) in enumerate(pairs)})
+                    recipe = {"prompt": prompts[j], "sampler": config, "weights": [w for w, _ in pairs],
+                              "level": level, "shown": shown, "guidance": guidance}
+                    tensors = {f"condition{i}": c for i, (_, c) in enumerate(pairs)}
+                    held = plan.domain_client[part] >= 0
+                    if self.released:
+                        recipe.update(schedule="released", levels=levels)
+                        tensors["held"] = held
+                    if to_model:
+                        recipe["stored"] = "model_input"
+                    key = batch_key(recipe, tensors)
                     done = cache.load((j, chunk), key)
                     reused += 0 if done is None else len(part)
                     if done is None:
-                        images = sample(model, [prompts[j]] * len(part), config,
-                                        composed_conditions(model, context, pairs, **level)).images
-                        done = {"features": feats.of_images(images), "shown": to_uint8(images[:shown])}
+                        if self.released:
+                            empty = model.encode_text([""]).tokens.expand(len(part), -1, -1)
+                            conditions, base = released_conditions(model, context, empty, pairs[0],
+                                                                   pairs[1] if len(pairs) > 1 else None, held,
+                                                                   levels)
+                            images = sample(model, [""] * len(part), config, conditions,
+                                            base_class_labels=base).images
+                        else:
+                            images = sample(model, [prompts[j]] * len(part), config,
+                                            composed_conditions(model, context, pairs, **level)).images
+                        done = {"shown": to_uint8(images[:shown])}
+                        if to_model:  # at the model's input size and channels, 8-bit (as _synthetic stores it)
+                            done["inputs"] = to_stored(splits, images)
+                        else:
+                            done["features"] = feats.of_images(images)
                         cache.save((j, chunk), key, done)
-                    gen_feats.append(done["features"])  # float32 on the CPU (the frozen encoder's)
+                    gen_feats.append(done["inputs" if to_model else "features"])  # on the CPU
                     gen_labels.append(torch.full((len(part),), j, dtype=torch.long))
                     kept.append(from_uint8(done["shown"]))  # 8-bit either way, so a resumed run draws the same grid
                     kept_clients.append(guiding_clients(plan.domain_client[part[:shown]], uploads))
@@ -268,15 +403,66 @@ class FedDISC(CentroidOneShot):
         generation_seconds = time.perf_counter() - t0
         x, y = torch.cat(gen_feats), torch.cat(gen_labels)
         extra = {}
-        if p.head_train_set == "generated_and_centroids":
-            centroids, centroid_labels = uploaded_centroids(uploads)
-            x, y = torch.cat([x, centroids]), torch.cat([y, centroid_labels])
-            extra["train_centroids"] = int(len(centroids))
-        head, loss = self.train_server_head(x, y)
+        if self.released:
+            extra["domain_paired_images"] = int((plan.domain_client >= 0).sum())
+        if to_model:
+            self.model_weights, loss = self.train_model(x, y)
+            self.model_trained = True
+            head, extra = None, {**extra, "model_train_samples": int(len(y)), "model_train_loss": loss}
+        else:
+            if p.head_train_set == "generated_and_centroids":
+                centroids, centroid_labels = uploaded_centroids(uploads)
+                x, y = torch.cat([x, centroids]), torch.cat([y, centroid_labels])
+                extra["train_centroids"] = int(len(centroids))
+            head, loss = self.train_server_head(x, y)
+            extra.update(head_train_samples=int(len(y)), head_train_loss=loss)
         if p.sample_grid:
             save_grid(grid, self.run.run_dir / "feddisc_samples.png")
             save_samples(grid, grid_labels, grid_clients, self.run.run_dir / SAMPLES_FILE)
         cache.remove()
-        return head, {"generated_images": int(len(plan.labels)), "reused_images": reused,
-                      "head_train_samples": int(len(y)), **extra,
-                      "generation_seconds": generation_seconds, "head_train_loss": loss}
+        return head, {"generated_images": int(len(plan.labels)), "reused_images": reused, **extra,
+                      "generation_seconds": generation_seconds}
+
+    def train_model(self, stored: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """head: model: the run's model from its initial weights, trained on the generated images (8-bit at its
+        input size, standardised per batch) with cross-entropy for ``model_epochs`` epochs; the optimiser and
+        batch size are the train section's. Returns (its flat weights, the mean training loss)."""
+        from fedguide.core.training import make_optimizer
+        from fedguide.methods.one_shot._distill import train_on_labeled
+
+        run, splits = self.run, self.run.data.splits
+        with torch.random.fork_rng(devices=[]):
+            net = run.make_model()
+        run.layout.load(net, run.initial_weights)
+        loss = train_on_labeled(net, lambda idx: stored_to_model_input(splits, stored[idx]), labels, None,
+                                self.params.model_epochs, run.train.batch_size, make_optimizer(net, run.train),
+                                torch_generator(run.seed, "model", MODEL_TAG))
+        return run.layout.flatten(net), loss
+
+    def classifier_ready(self) -> bool:
+        return self.model_trained if self.params.head == "model" else super().classifier_ready()
+
+    def fitted_weights(self, global_weights):
+        return self.model_weights if self.model_weights is not None else global_weights
+
+    def evaluate(self, round_, global_weights):
+        if self.params.head == "encoder":
+            return super().evaluate(round_, global_weights)
+        if not self.model_trained:
+            raise ConfigError("FedDISC has no classifier yet: round 1 had no uploads")
+        _, logits, _ = self.run.evaluator.features(global_weights)
+        return self.with_report(score(self.run, logits.argmax(1).cpu(), logits))
+
+    # ---- checkpoints ----
+    def server_state(self):
+        if self.params.head == "encoder":
+            return super().server_state()
+        # the trained model is the engine's global model; the server only remembers that it exists
+        return {"model_trained": torch.ones(1)} if self.model_trained else {}
+
+    def load_server_state(self, state):
+        if self.params.head == "encoder":
+            return super().load_server_state(state)
+        if state and set(state) != {"model_trained"}:
+            raise ValueError(f"FedDISC (head: model) checkpoint state should hold model_trained, got {sorted(state)}")
+        self.model_trained = bool(state)
