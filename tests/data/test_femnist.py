@@ -174,6 +174,8 @@ def test_fedavg_two_rounds_on_the_fixture_one_writer_per_client(isolated):
     # client k holds writer k's training samples, class by class
     assert partition["counts"] == [np.bincount(WRITERS[w][0], minlength=62).tolist() for w in names]
     assert partition["class_names"] == CLASS_NAMES
+    # the writers each client owns
+    assert partition["groups_per_client"] == [1, 1, 1] and partition["client_groups"] == [[w] for w in names]
     # the class x client heatmap renders a natural partition (62 classes, 3 clients)
     from fedguide.report.plots import make_plots
 

@@ -101,6 +101,7 @@ class Experiment:
         if data.test_subset is not None:
             record["test_subset"] = {"samples": int(len(data.test_subset)), "indices": data.test_subset.tolist()}
         record.update(personal_test_record(data))
+        record.update(data.group_record())  # a natural partition: the groups (writers, domains) each client owns
         return record
 
     # ---- the loop -----------------------------------------------------------------------------
