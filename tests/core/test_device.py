@@ -202,7 +202,7 @@ def test_checkpoints_and_client_state_are_on_the_cpu_and_resume_ignores_the_devi
     with safe_open(str(run_dir / "checkpoints/last.safetensors"), framework="pt") as f:
         assert all(f.get_tensor(k).device.type == "cpu" for k in f.keys())
     # Where it computes is not pinned: the run continues under train.device: auto (here the CPU again).
-    text = (run_dir / "config.yaml").read_text().replace("device: cpu", "device: auto").replace("rounds: 1", "rounds: 2")
+    text = (run_dir / "config.yaml").read_text().replace("device: cpu", "device: auto").replace("\n  rounds: 1\n", "\n  rounds: 2\n")
     (run_dir / "config.yaml").write_text(text)
     from fedguide.fl.engine import Experiment
     Experiment(prepare(RunFolder(run_dir).read_config()), run_dir, log=lambda s: None).run(resume=True)
@@ -221,7 +221,7 @@ def test_resume_takes_another_device_from_the_command_line(tmp_path, monkeypatch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     _, _, run_dir = run_tiny(tmp_path, tiny_config(train={"rounds": 1}), "run")
-    text = (run_dir / "config.yaml").read_text().replace("rounds: 1", "rounds: 2")
+    text = (run_dir / "config.yaml").read_text().replace("\n  rounds: 1\n", "\n  rounds: 2\n")
     (run_dir / "config.yaml").write_text(text.replace("\n  device: auto", "\n  device: cuda"))
     assert main(["resume", str(run_dir), "--quiet"]) != 0
     assert "train.device: cuda was asked for" in capsys.readouterr().err

@@ -4,7 +4,8 @@ the same rate for the same round.
 
 - constant: ``lr``.
 - exponential: ``lr * gamma^(r - 1)``, FedRCL's per-round decay (skynbe/FedRCL, trainers/base_trainer.py line 259,
-  ``local_lr * local_lr_decay ** epoch`` with the round index from 0; configs/trainer/base.yaml line 6: 0.998).
+  ``local_lr * local_lr_decay ** epoch`` with the round index from 0; skynbe/FedRCL/configs/trainer/base.yaml line 6:
+  0.998).
 - step: ``lr * gamma^floor((r - 1) / step_rounds)``, torch's StepLR over rounds.
 - cosine: ``min_lr + (lr - min_lr) * (1 + cos(pi * (r - 1) / rounds)) / 2``, torch's CosineAnnealingLR with
   T_max = the run's rounds, stepped once per round.

@@ -54,7 +54,9 @@ def test_maps_of_a_feddifrc_run(feddifrc_run):
     labels = [image["label"] for image in data["images"]]
     assert len(set(labels)) == 4
     for entry in data["sets"].values():
-        assert entry["t"] == 150 and entry["condition_mode"] == "none"
+        # NDCR's timestep as the run resolved it (t: paper, matched to the pipeline; guidance/feddifrc.json)
+        resolved = json.loads((feddifrc_run / "guidance" / "feddifrc.json").read_text())["ndcr_t"]["resolved"]
+        assert entry["t"] == resolved and entry["condition_mode"] == "none"
         assert list(entry["maps"]) == ["up.1", "up.2", "up.3", "fused"]  # decoder layers L = 2, 3, 4, then Eq. 8
         for column in entry["maps"].values():
             h, w = column["shape"]
