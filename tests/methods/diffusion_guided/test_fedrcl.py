@@ -175,9 +175,49 @@ def test_params_defaults_and_validation():
     p = FedRCLParams()
     assert (p.lam, p.beta, p.tau, p.weight, p.levels, p.preactivation) == (0.6, 1.0, 0.05, 1.0, None, True)
     assert METHODS.get("fedrcl").params is FedRCLParams
-    for bad in ({"lam": 1.5}, {"beta": -1}, {"tau": 0}, {"weight": -0.1}, {"levels": []}, {"threshold": 0.7}):
+    assert (p.lambda_role, p.threshold, p.sd_image_size) == ("threshold", 0.7, "paper")
+    for bad in ({"lam": 1.5}, {"beta": -1}, {"tau": 0}, {"weight": -0.1}, {"levels": []}, {"unknown": 1},
+                {"lambda_role": "both"}):
         with pytest.raises(ValueError):
             FedRCLParams(**bad)
+
+
+def test_lambda_role_says_which_setting_lambda_is_on_hand_computed_numbers():
+    """FedDifRC's λ = 0.6 read as FedRCL's similarity threshold (the default) or as the RCL loss weight, the other
+    setting then as FedRCL's released config has it (skynbe/FedRCL configs/client/fedrcl.yaml: the penalty's
+    ``threshold: 0.7`` L27, the loss weights ``weight: 1`` L19, L24, L28).
+
+    z_a = (1, 0), z_b = (0.65, √(1 − 0.65²)) in class 0, z_c = (0, 1) in class 1; τ = 0.5, β = 1:
+    s_ab = 0.65, s_ac = 0, s_bc = 0.759934.
+    L_SCL(a) = log(1 + e^((s_ac − s_ab)/τ)) = log(1 + e^−1.3) = 0.241008
+    L_SCL(b) = log(1 + e^((s_bc − s_ab)/τ)) = log(1 + e^0.219868) = 0.809112
+    L_DP(a) = L_DP(b) = log(1 + e^((s_ab − 1)/τ)) = log(1 + e^−0.7) = 0.403186 where 0.65 is over the threshold.
+    threshold (λ = 0.6 < 0.65): weight 1 · ((0.241008 + 0.809112)/2 + 0.403186) = 0.928246
+    weight (threshold 0.7 > 0.65, no penalty): λ · (0.241008 + 0.809112)/2 = 0.6 · 0.525060 = 0.315036"""
+    c = 0.65
+    f, y = t([[1, 0], [c, math.sqrt(1 - c * c)], [0, 1]]), labels(0, 0, 1)
+
+    def term(p):
+        return p.rcl_weight() * relaxed_supcon_loss(f, y, tau=0.5, beta=1.0, lam=p.rcl_threshold()).item()
+
+    as_threshold, as_weight = FedRCLParams(lam=0.6), FedRCLParams(lam=0.6, lambda_role="weight")
+    assert (as_threshold.rcl_threshold(), as_threshold.rcl_weight()) == (0.6, 1.0)
+    assert (as_weight.rcl_threshold(), as_weight.rcl_weight()) == (0.7, 0.6)
+    assert term(as_threshold) == pytest.approx(0.928246, abs=2e-6)
+    assert term(as_weight) == pytest.approx(0.315036, abs=2e-6)
+    assert term(FedRCLParams(lam=0.6, lambda_role="weight", threshold=0.6)) == pytest.approx(0.6 * 0.928246, abs=2e-6)
+
+
+def test_a_setting_the_chosen_reading_hands_to_lambda_is_refused_not_ignored():
+    with pytest.raises(ValueError, match="threshold 0.5 applies with lambda_role: weight"):
+        FedRCLParams(threshold=0.5)
+    with pytest.raises(ValueError, match="weight 2.0 applies with lambda_role: threshold"):
+        FedRCLParams(lambda_role="weight", weight=2.0)
+    with pytest.raises(ValueError, match="loss weight"):
+        FedRCLParams(lambda_role="weight", lam=-0.2)
+    # a run folder's config.yaml writes every option out: the defaults of the other reading read back fine
+    FedRCLParams(**FedRCLParams(lambda_role="weight").model_dump())
+    FedRCLParams(**FedRCLParams().model_dump())
 
 
 def test_select_levels():
@@ -324,6 +364,24 @@ def test_local_loss_is_ce_plus_weighted_mean_over_levels(name):
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     assert rcl.item() > 0
     assert all(q.grad is not None for q in run.model.parameters())
+
+
+def test_local_loss_under_lambda_role_weight_weighs_rcl_by_lambda_at_the_set_threshold():
+    run, shape = make_run("mlp")
+    method = FedRCL(FedRCLParams(lam=0.3, lambda_role="weight", threshold=0.2, beta=2.0, tau=0.5), run)
+    run.model.train()
+    c = ctx()
+    state = method.begin_local(run.model, c)
+    torch.manual_seed(4)
+    x, y = torch.randn(6, *shape), labels(0, 1, 0, 1, 2, 2)
+    with torch.no_grad():
+        loss = method.local_loss(run.model, x, y, c, state)
+        feats, z = pre_activation_levels("mlp", run.model.encoder, x)
+        rcl = sum(relaxed_supcon_loss(f, y, 0.5, 2.0, 0.2) for f in feats) / len(feats)
+        expected = F.cross_entropy(run.model.head(z), y) + 0.3 * rcl
+    method._tap.detach()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert rcl.item() != pytest.approx((sum(relaxed_supcon_loss(f, y, 0.5, 2.0, 0.3) for f in feats) / 2).item())
 
 
 def test_only_chosen_levels_are_tapped():

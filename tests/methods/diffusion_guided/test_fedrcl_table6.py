@@ -17,10 +17,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 GEN = {"per_class": 2, "steps": 1, "cfg_scale": 1.0, "gen_batch_size": 16}  # one UNet pass per sampler batch
 
 
-def config(tiny_sd, fmnist_root, cache, **params):
+def config(tiny_sd, fmnist_root, cache, method="fedrcl", **params):
+    if params.get("sd_align"):  # the pipeline's 32 px: FedDifRC's 224 px is 49 times the UNet work on a CPU
+        params.setdefault("sd_image_size", "pipeline")
     return tiny_config({"data": {"name": "fmnist", "root": str(fmnist_root)},
                         "guidance": {"model": str(tiny_sd), "feature_cache": str(cache)}, "train": {"rounds": 2}},
-                       method={"name": "fedrcl", **params})
+                       method={"name": method, **params})
 
 
 def client(ctx, method, cid=0):
@@ -66,12 +68,41 @@ def test_sd_alignment_adds_lambda_times_the_normalised_l2_to_its_targets(tmp_pat
     assert record["shape"][0] == 60  # every training image, pooled over every UNet block
 
 
+def test_sd_features_are_taken_at_feddifrcs_input_size_not_the_datas(tmp_path, tiny_sd, fmnist_root):
+    """FedDifRC Sec. 4.1 ("the image size is 224x224"; released code ``--diffu_size 224``, hwang52/FedDifRC
+    utils/options.py L29): † and ◇+† resize the images to feddifrc's image_size, resolved by the same rule (224 on
+    a pipeline that is not one of fedguide's 32-px models), not to the data's 28 px."""
+    sizes = {}
+    for name, params in (("feddifrc", {"image_size": "paper"}), ("fedrcl", {"sd_align": 1.0, "sd_image_size": "paper"}),
+                         ("fedrcl+", {"sd_align": 1.0, "sd_image_size": "paper", "generated": GEN})):
+        cfg = config(tiny_sd, fmnist_root, tmp_path / "c", method=name.rstrip("+"), **params)
+        _, built = open_run(prepare(cfg), tmp_path / name)
+        sizes[name] = built.image_size if name == "feddifrc" else built._sd.image_size
+    assert sizes == {"feddifrc": 224, "fedrcl": 224, "fedrcl+": 224}
+    _, native = open_run(prepare(config(tiny_sd, fmnist_root, tmp_path / "c", sd_align=1.0, sd_image_size="native")),
+                         tmp_path / "native")
+    assert native._sd.image_size == 28  # the data's own: what † used before the option
+
+
+def test_on_the_embedded_model_sd_features_take_the_size_feddifrc_takes(tmp_path, fmnist_root):
+    embedded = {"guidance": {"model": "embedded", "feature_cache": str(tmp_path / "c")}}
+    sizes = []
+    for method in ({"name": "feddifrc", "fused_dim": 32}, {"name": "fedrcl", "sd_align": 1.0}):
+        cfg = tiny_config({"data": {"name": "fmnist", "root": str(fmnist_root)}, **embedded,
+                           "model": {"name": "mlp", "feature_dim": 32}}, method=method)
+        _, built = open_run(prepare(cfg), tmp_path / method["name"])
+        sizes.append(built.image_size if method["name"] == "feddifrc" else built._sd.image_size)
+    assert sizes == [32, 32]  # fedguide's own models take their own 32 px under paper, for both
+
+
 def test_both_variants_run_together(tmp_path, tiny_sd, fmnist_root):
     summary, rows, run_dir = run_tiny(tmp_path, config(tiny_sd, fmnist_root, tmp_path / "c", generated=GEN,
                                                        sd_align=1.0))
     assert len(rows) == 2 and 0.0 <= summary["final_accuracy"] <= 1.0
     record = json.loads((run_dir / "guidance" / "fedrcl.json").read_text())
     assert record["generated_data"]["generated_images"] > 0 and "sd_features" in record
+    assert record["sd_features"]["image_size"] == {"requested": "pipeline", "pixels": 32, "latents": 8,
+                                                   "pipeline_pixels": 32}
 
 
 def test_the_default_fedrcl_needs_no_guidance_model(tmp_path):

@@ -8,6 +8,13 @@ map from D to z's dims (/âˆšD, never trained), and the term is align_features' â
 L2-normalised vectors (batch mean): the same alignment as FedDifRC's Table 8 rows, with the diffusion
 model as the encoder.
 
+Input size: the images are resized to FedDifRC's guidance input size before the VAE, not fed at the data's
+own: the setting and its resolution are feddifrc's ``image_size`` (``paper`` = 224 px on Stable Diffusion, Sec.
+4.1 and the released code's ``--diffu_size 224``, hwang52/FedDifRC utils/options.py L29; fedguide's own 32-px
+models take their own size, as feddifrc's features there), through the same ``input_size`` with feddifrc's
+``PAPER_IMAGE_SIZE``; FedRCL's ``sd_image_size`` selects it (``native`` = the data's, as before this option:
+a CIFAR image at 32 px is 4 x 4 SD latents). The size is in the feature-cache key and the run's record.
+
 Decisions (the paper gives no more than the sentence above): t = 0 and the empty prompt (the image "fed
 directly", no text), every block pooled, the fixed map P and the normalised L2 of align_features (whose
 docstring measures why the raw form fails on a ReLU z). e(x) does not depend on the model being trained:
@@ -22,6 +29,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from fedguide.guidance.pipeline_facts import ImageSize
+from fedguide.methods.diffusion_guided.feddifrc import PAPER_IMAGE_SIZE as FEDDIFRC_IMAGE_SIZE
+
 ALL_BLOCKS = ("down.0", "down.1", "down.2", "down.3", "mid", "up.0", "up.1", "up.2", "up.3")
 
 
@@ -34,11 +44,14 @@ class SDRound:
 
 
 class SDFeatureTargets:
-    def __init__(self, run, seed: int = 0, extract_batch: int = 32, layers=ALL_BLOCKS):
+    def __init__(self, run, image_size: ImageSize = "paper", seed: int = 0, extract_batch: int = 32,
+                 layers=ALL_BLOCKS):
         from fedguide.methods.diffusion_guided._diffusion_features import input_size
 
         self.run, self.seed, self.extract_batch, self.layers = run, seed, extract_batch, tuple(layers)
-        self.image_size: Optional[int] = input_size(run, "paper", None)  # the data's own (fedguide's models: theirs)
+        self.requested_size = image_size
+        # FedDifRC's size, resolved as feddifrc resolves its own (None until the pipeline's configs can be read).
+        self.image_size: Optional[int] = input_size(run, image_size, FEDDIFRC_IMAGE_SIZE)
         self.map: Optional[torch.Tensor] = None
 
     def setup(self) -> dict:
@@ -48,13 +61,13 @@ class SDFeatureTargets:
         from fedguide.guidance.shared import feature_store, guidance_model
         from fedguide.guidance.store import FeatureKey
         from fedguide.methods.diffusion_guided._diffusion_features import (RowLookup, cached_features, data_recipe, digest,
-                                                          guidance_images, loaded_input_size, prompt_maps, timed,
-                                                          training_rows)
+                                                          guidance_images, input_size_note, loaded_input_size,
+                                                          prompt_maps, timed, training_rows)
 
         run = self.run
         model = guidance_model(run.guidance)
         if self.image_size is None:
-            self.image_size = loaded_input_size(run, "paper", None)
+            self.image_size = loaded_input_size(run, self.requested_size, FEDDIFRC_IMAGE_SIZE)
         feats = DiffusionFeatures(model, FeatureSpec(self.layers, t=0, noise_seed=self.seed,
                                                      extra={"role": "sd_alignment"}, image_size=self.image_size))
         tokens = model.encode_text(("",)).tokens
@@ -76,7 +89,7 @@ class SDFeatureTargets:
         width, z_dim = int(self.features.shape[1]), int(run.model.feature_dim)
         self.map = torch.randn(z_dim, width, generator=torch.Generator().manual_seed(self.seed)) / width ** 0.5
         return {"folder": str(store.path(key)), "seconds": round(seconds, 3), "shape": list(self.features.shape),
-                "layers": list(self.layers), "image_size": self.image_size}
+                "layers": list(self.layers), "image_size": input_size_note(self.requested_size, self.image_size, model)}
 
     def begin(self, ctx) -> "SDRound":
         """The client's features and the map on the run's device, once per round."""

@@ -1,6 +1,7 @@
 """FedRCL (Seo, Kim, Kim, Han, CVPR 2024): relaxed contrastive learning for federated learning.
 
-Local objective: CE + weight · mean over encoder levels l of L_RCL(z^l), server = FedAvg, with
+Local objective: CE + w · mean over encoder levels l of L_RCL(z^l), server = FedAvg (w = ``weight``, or λ
+under ``lambda_role: weight``), with
 
     L_RCL = L_SCL + β · L_DP                                     (per anchor i, averaged over anchors)
     L_SCL(i) = −1/|P_i| Σ_{p∈P_i} log( e^{s_ip/τ} / Σ_{a≠i} e^{s_ia/τ} )          supervised contrastive
@@ -8,29 +9,38 @@ Local objective: CE + weight · mean over encoder levels l of L_RCL(z^l), server
              = log(1 + Σ_{p∈P_i^λ} e^{(s_ip − 1)/τ})                              divergence penalty
 
 s = cosine similarity, P_i = the other samples of i's class in the batch, P_i^λ = {p ∈ P_i : s_ip > λ}
-(the "excessively similar" positive pairs). The penalty contrasts each anchor with itself against its
+(the "excessively similar" positive pairs; the threshold is λ under ``lambda_role: threshold``, else
+``threshold``). The penalty contrasts each anchor with itself against its
 too-similar positives, pushing those apart until their similarity falls under λ; this is the
 released code's ``penalty`` pair (``loss_type: unsupervised`` = the sample itself as positive,
 ``neg_sample_type: intra_class_thresholding`` = same-class pairs above the threshold as negatives).
 Sources: the form above follows the paper's description (SCL plus
 a divergence penalty on excessively similar same-class pairs, applied to multiple levels) and the
 released code (skynbe/FedRCL: utils/loss.py ``CLLoss``, clients/rcl_client.py, configs/client/
-fedrcl.yaml). The paper's own text was not at hand when these defaults were checked: the values
-below are checked against the released configuration and against FedDifRC, whose tables this
-baseline serves.
+fedrcl.yaml). Of the paper only the abstract and introduction could be obtained: the values below
+are checked against the released configuration and against FedDifRC, whose tables this baseline
+serves.
 
 Hyperparameters and what they mean:
-- λ (``lam``, default 0.6): the similarity threshold above which a positive pair is penalised.
-  FedDifRC's appendix (its baseline hyperparameters, the FedDifRC paper) tunes "FedRCL λ" over
-  {0.2, 0.4, 0.6, 0.8} and selects 0.6, with β 1.0 (FedRCL at λ 0.6, β 1.0): the setting of the
-  comparison this project reproduces. FedRCL's released config (skynbe/FedRCL/configs/client/fedrcl.yaml: the
-  ``metric2`` pair, ``threshold: 0.7``) uses 0.7: ``lam: 0.7`` is FedRCL's own default. FedDifRC calls λ
-  "the regularization coefficient"; the only FedRCL setting on a 0-1 grid besides the weights (all 1
-  in the released config) is this threshold, which is how it is read here.
+- λ (``lam``, default 0.6) and ``lambda_role`` (default ``threshold``): FedDifRC's appendix (its baseline
+  hyperparameters) tunes "FedRCL λ" over {0.2, 0.4, 0.6, 0.8}, selects 0.6 and calls it "the regularization
+  coefficient", with β 1.0; its released code (hwang52/FedDifRC) holds no FedRCL and names no such setting
+  (its only size option is ``--diffu_size 224``, utils/options.py L29). Which FedRCL setting λ is, is
+  therefore an option:
+  ``threshold`` (the default): λ is the similarity above which a positive pair is penalised (P_i^λ above).
+  FedRCL's released config has exactly one setting on a 0-1 scale that a {0.2, ..., 0.8} grid can tune, the
+  penalty's ``threshold: 0.7`` (skynbe/FedRCL configs/client/fedrcl.yaml L27), which sits inside that grid;
+  its loss weights are all 1 (the SCL pair's ``weight: 1`` L19, the penalty's L24, ``rcl_loss.weight: 1``
+  L28), and a grid for a weight of 1 that stops at 0.8 would not contain the released value; β, the other
+  tuned number, is the penalty weight. ``weight``: λ weighs the RCL term against cross-entropy instead, and
+  the threshold is ``threshold`` (default 0.7, the released config's). Each reading hands one setting to λ:
+  ``weight`` applies under ``threshold`` only and ``threshold`` under ``weight`` only (a value set for the
+  other reading is refused rather than ignored). ``lam: 0.7`` with the default role is FedRCL's own setting.
 - β (``beta``, default 1.0): the weight of the divergence penalty (FedDifRC: tuned over
   {0.5, 1, 2, 3, 4}, selected 1.0; the released config's penalty weight is 1).
 - τ (``tau``, default 0.05): the released config's temperature, used for both terms.
-- ``weight`` (default 1.0): the weight of the RCL term against CE (the released config: 1).
+- ``weight`` (default 1.0): under ``lambda_role: threshold``, the weight of the RCL term against CE (the
+  released config: 1).
 - Levels (``levels``, default all): the paper applies RCL to the intermediate representations as
   well as the final one and averages the per-level losses (released code: ``branch_level [0..4]``
   of ResNet-18 = stem and the four stages, mean over levels). Here the levels are the stages of
@@ -58,19 +68,22 @@ FedDifRC's Table 6 variants (options; both off by default, ◇+† is both on):
 - ◇ ``generated: {}``: each client's batches are joined by images the guidance model generated for the
   classes it holds, as many in all as its real ones by default (_generated_data.py, the machinery of
   ``feddda``): ``fedguide run CONFIG method.name=fedrcl 'method.generated={}'``.
-- † ``sd_align: λ``: + λ·‖ẑ − (P e(x))^‖², z's L2 alignment to the guidance model's features of the image
+- † ``sd_align: w``: + w·‖ẑ − (P e(x))^‖², z's L2 alignment to the guidance model's features of the image
   fed directly into it (t = 0, empty prompt, every UNet block pooled; _sd_alignment.py); the paper gives no
-  weight: 1 is align_features' (Table 8) choice. With ◇ the term covers the batch's real samples.
+  weight: 1 is align_features' (Table 8) choice. With ◇ the term covers the batch's real samples. The
+  features are extracted at FedDifRC's guidance input size (``sd_image_size: paper``, feddifrc's
+  ``image_size`` setting and resolution: 224 px on Stable Diffusion, fedguide's own 32-px models their
+  own size), not at the data's (CIFAR's 32 px would be 4 x 4 SD latents; ``native`` keeps the data's).
 Both need the guidance layer (``pip install 'fedguide[guidance]'``) and the ``guidance:`` section's model.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Annotated, Literal, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fedguide.methods.diffusion_guided._generated_data import GeneratedData, GeneratedDataParams, extra_count, mix
 from fedguide.methods.base import METHODS, Method
@@ -83,10 +96,17 @@ if TYPE_CHECKING:
 
 class FedRCLParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    lam: float = Field(0.6, ge=-1.0, le=1.0, description="similarity threshold λ: positive pairs above it are penalised")
+    lam: float = Field(0.6, ge=-1.0, le=1.0, description="FedDifRC's λ (0.6): the similarity threshold or the RCL "
+                                                         "weight, as lambda_role says")
+    lambda_role: Literal["threshold", "weight"] = Field(
+        "threshold", description="threshold = λ is the similarity above which positive pairs are penalised (the "
+                                 "released config's 0.7); weight = λ weighs the RCL term against CE (released: 1)")
+    threshold: float = Field(0.7, ge=-1.0, le=1.0, description="lambda_role=weight: the similarity threshold "
+                                                               "(released config: 0.7)")
     beta: float = Field(1.0, ge=0.0, description="weight β of the divergence penalty")
     tau: float = Field(0.05, gt=0.0, description="temperature of the contrastive terms")
-    weight: float = Field(1.0, ge=0.0, description="weight of the RCL term against cross-entropy")
+    weight: float = Field(1.0, ge=0.0, description="lambda_role=threshold: weight of the RCL term against "
+                                                   "cross-entropy (released config: 1)")
     levels: Optional[list[int]] = Field(
         None, min_length=1, description="encoder levels to apply RCL to (indices, -1 = last); null = all")
     preactivation: bool = Field(
@@ -96,6 +116,34 @@ class FedRCLParams(BaseModel):
                           "its classes (settings of _generated_data.py; {} = the defaults); null = off")
     sd_align: float = Field(0.0, ge=0.0, description="† (FedDifRC Table 6): weight of the L2 alignment of z to the "
                                                      "guidance model's features of the image; 0 = off")
+    sd_image_size: Union[Annotated[int, Field(ge=1)], Literal["paper", "native", "pipeline"]] = Field(
+        "paper", description="†: pixels per side of the images the VAE encodes, as feddifrc's image_size: paper = "
+                             "FedDifRC's 224 (fedguide's own 32-px models: their size), native = the data's, "
+                             "pipeline = the pipeline's")
+
+    @model_validator(mode="after")
+    def _one_reading(self) -> "FedRCLParams":
+        # Each reading of λ hands one of weight / threshold to λ; a value set there would be silently unused. Checked
+        # by value, not by what a config named: a run folder's config.yaml writes every option out.
+        fields = type(self).model_fields
+        if self.lambda_role == "threshold" and self.threshold != fields["threshold"].default:
+            raise ValueError(f"threshold {self.threshold} applies with lambda_role: weight; under lambda_role: "
+                             "threshold λ (lam) is the threshold: set lam instead")
+        if self.lambda_role == "weight":
+            if self.weight != fields["weight"].default:
+                raise ValueError(f"weight {self.weight} applies with lambda_role: threshold; under lambda_role: "
+                                 "weight λ (lam) is the RCL weight: set lam instead")
+            if self.lam < 0:
+                raise ValueError(f"lam {self.lam} is a loss weight under lambda_role: weight; use lam >= 0")
+        return self
+
+    def rcl_threshold(self) -> float:
+        """The similarity above which a positive pair is penalised."""
+        return self.lam if self.lambda_role == "threshold" else self.threshold
+
+    def rcl_weight(self) -> float:
+        """The weight of the RCL term against cross-entropy."""
+        return self.lam if self.lambda_role == "weight" else self.weight
 
 
 def _cosine_matrix(features: torch.Tensor) -> torch.Tensor:
@@ -194,7 +242,7 @@ class FedRCL(Method):
         if params.sd_align > 0:
             from fedguide.methods.diffusion_guided._sd_alignment import SDFeatureTargets
 
-            self._sd = SDFeatureTargets(run)
+            self._sd = SDFeatureTargets(run, params.sd_image_size)
 
     def setup(self):
         try:  # a wrong level index is a config error, found before the first round
@@ -231,9 +279,10 @@ class FedRCL(Method):
         z, logits = model.forward_features(x)
         levels = self._tap.collect()
         loss = F.cross_entropy(logits, y)
-        if p.weight:
-            rcl = torch.stack([relaxed_supcon_loss(f, y, p.tau, p.beta, p.lam) for f in levels]).mean()
-            loss = loss + p.weight * rcl
+        weight = p.rcl_weight()
+        if weight:
+            rcl = torch.stack([relaxed_supcon_loss(f, y, p.tau, p.beta, p.rcl_threshold()) for f in levels]).mean()
+            loss = loss + weight * rcl
         if self._sd is not None:  # †: the real samples' z towards the guidance model's features of their images
             from fedguide.methods.diffusion_guided.align_features import alignment_loss
 
