@@ -30,7 +30,7 @@ SPECIAL = {
     "feddifrc": (SMOKE, ["data.public_fraction=0.1", "guidance.model=embedded"]),
     "semanticfl": (SMOKE, ["data.public_fraction=0.1", "guidance.model=embedded"]),
     "align_features": (SMOKE, ["data.public_fraction=0.1", "guidance.model=embedded"]),
-    "feddda": (SMOKE, ["guidance.model=embedded", "method.per_class=8", "method.steps=4",
+    "feddda": (SMOKE, ["guidance.model=embedded", "method.pool_per_class=8", "method.steps=4",
                        "method.gen_batch_size=16"]),
     "fedcado": (REPO / "configs/fedcado_smoke.yaml", []),
     "sd_gen": (REPO / "configs/fedcado_smoke.yaml", ["method.name=sd_gen", "method.images_per_class=4",

@@ -79,7 +79,7 @@ BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # the generating methods with fewer images, denoising steps and epochs; SemanticFL with a z its PCA can fill.
 METHOD_SIZES = {"fedema": ["method.hidden_dim=64", "method.projection_dim=32", "method.probe_samples=200"],
                 "feddifrc": ["method.image_size=pipeline"],
-                "feddda": ["method.per_class=2", "method.steps=2"],
+                "feddda": ["method.pool_per_class=2", "method.steps=2"],
                 "fedcado": ["method.images_per_class=2", "method.steps=2", "method.edit_steps=1",
                             "method.local_epochs=2", "method.agg_epochs=2"],
                 "sd_gen": ["method.images_per_class=2", "method.steps=2", "method.agg_epochs=2"],

@@ -11,8 +11,8 @@ from fedguide.analysis import analyze
 from fedguide.analysis.figure import FIGURES, in_order
 from fedguide.cli import build_parser, main
 
-BUILT_IN = ["tsne", "pca", "weight_norms", "sl_cr", "flops", "samples"]
-OPTIONS = ["--tsne", "--pca", "--weight-norms", "--sl-cr", "--flops", "--samples"]
+BUILT_IN = ["tsne", "pca", "weight_norms", "sl_cr", "flops", "samples", "generated_data"]
+OPTIONS = ["--tsne", "--pca", "--weight-norms", "--sl-cr", "--flops", "--samples", "--generated-data"]
 
 EXTRA = '''
 from fedguide.analysis.figure import FIGURES, Figure

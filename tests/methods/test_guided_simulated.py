@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("cached_digits", "one_thread")
 
 FMNIST = {"n_train": 80, "vertical": True}  # SemanticFL's: its PCA to z's 64 dims needs 64 images to fit on
 GEN = {"per_class": 2, "steps": 1, "cfg_scale": 1.0, "gen_batch_size": 16}  # one UNet pass per sampler batch
+DDA = {"pool_per_class": 2, "steps": 1, "cfg_scale": 1.0, "gen_batch_size": 16}  # FedDDA's pool of 2 per class
 FEDDISC = {"num_centroids": 2, "images_per_centroid": 2, "steps": 2, "head_epochs": 3, "sample_grid": 2}
 SEMI = {"name": "semi_supervised", "server_domain": "uci", "clients": "feature_skew"}
 
@@ -77,12 +78,12 @@ CASES = {
                                           **LR),
     "fedavg_sm": lambda f: digits(f, {"name": "fedavg_sm"}, **LR),
     "fedcado": lambda f: one_shot(f, {"name": "fedcado", "edit_steps": 2}),
-    "feddda": lambda f: fmnist(f, {"name": "feddda", **GEN}),
+    "feddda": lambda f: fmnist(f, {"name": "feddda", **DDA}),
     "feddf": lambda f: one_shot(f, {"name": "feddf", "distill_steps": 5}),
     "feddifrc": lambda f: fmnist(f, {"name": "feddifrc", "image_size": "pipeline"}),
     "feddisc": lambda f: digits(f, {"name": "feddisc", **FEDDISC}),
     # FedRCL's guided variants together (◇+†): the generated images join the batches the SD alignment sees.
-    "fedrcl": lambda f: fmnist(f, {"name": "fedrcl", "generated": GEN, "sd_align": 1.0}),
+    "fedrcl": lambda f: fmnist(f, {"name": "fedrcl", "generated": GEN, "sd_align": 1.0, "sd_image_size": "pipeline"}),
     "rscfed": lambda f: digits(f, {"name": "rscfed", "strong_views": 2, "subset_size": 2}, **LR),
     "sd_gen": lambda f: one_shot(f, {"name": "sd_gen"}),
     "semanticfl": lambda f: fmnist(f, {"name": "semanticfl"}),

@@ -108,7 +108,8 @@ def _counts(run: RunRecord, key: str, what: str) -> np.ndarray:
     return counts
 
 
-def _heatmap(counts: np.ndarray, names: Any, xlabel: str, title: str, path: Path) -> Path:
+def heatmap(counts: np.ndarray, names: Any, xlabel: str, title: str, path: Path) -> Path:
+    """A clients x ``xlabel`` heatmap of ``counts`` (exact numbers on a small matrix), saved as ``path``."""
     n_clients, n_cols = counts.shape
     fig = _new_figure((max(6.0, min(16.0, 0.45 * n_cols + 3)), max(4.0, min(20.0, 0.28 * n_clients + 2))))
     ax = fig.add_subplot()
@@ -136,7 +137,7 @@ def plot_partition(run: RunRecord, path: Path) -> Path:
     """Class x client heatmap of a run's partition."""
     counts = _counts(run, "counts", "classes")
     n_clients, n_classes = counts.shape
-    return _heatmap(counts, (run.partition or {}).get("class_names"), "class",
+    return heatmap(counts, (run.partition or {}).get("class_names"), "class",
                     f"Partition: {run.partition_label} on {run.dataset} ({n_clients} clients × {n_classes} classes)",
                     path)
 
@@ -147,7 +148,7 @@ def plot_domain_partition(run: RunRecord, path: Path) -> Path | None:
         return None
     counts = _counts(run, "domain_counts", "domains")
     n_clients, n_domains = counts.shape
-    return _heatmap(counts, run.partition.get("domain_names"), "domain",
+    return heatmap(counts, run.partition.get("domain_names"), "domain",
                     f"Domains: {run.partition_label} on {run.dataset} ({n_clients} clients × {n_domains} domains)",
                     path)
 

@@ -1,49 +1,88 @@
-"""Client data augmented with images the guidance model generates for the client's classes (FedDDA, and
-FedRCL's ◇ variant in FedDifRC's Table 6: "we generate data for each client (same amount) by the SD model").
+"""Client data augmented with images the guidance model generates: FedDDA's (``feddda``) and FedRCL's ◇ variant in
+FedDifRC's Table 6 ("we generate data for each client (same amount) by the SD model").
 
-Generation (once, before round 1): for client k and every class c it holds, ``per_class`` images from the
-class prompt alone (text-to-image, classifier-free guidance ``cfg_scale``), ``match`` = ⌈n_k / |C_k|⌉ per
-class, so the client gets as many generated images as it has real ones, spread evenly over its classes.
-They are written to ``<run>/generated_data/client_XXX/`` in the dataset's own format through the
-resumable, chunked synthetic-set store of the one-shot methods (_synthetic.py): a chunk whose recipe
-fingerprint matches is kept, so a resumed run or a worker process opening the same run directory reuses
-them. Image i of client k draws the noise of (seed·65537 + k, i).
+Which images a client gets: a plan of [K clients, C classes] counts, fixed before round 1 from the clients'
+label histograms, in one of three forms:
 
-Training: every local batch of B real samples is joined by ⌈B·g_k/n_k⌉ generated ones (g_k the client's
-generated images), drawn uniformly without replacement from its generated set with the client's seeded
-torch stream: over an epoch the model sees its generated images as often as its real ones, and every hook
-of the method (its loss, its feature taps) sees the joined batch.
+- ``held`` (FedRCL ◇, ``GeneratedDataParams``): for client k and every class c it holds, ``per_class``
+  images, ``match`` = ⌈n_k / |C_k|⌉ per class, so the client gets as many generated images as it has real
+  ones, spread evenly over its classes. No class it lacks is generated.
+- ``random`` (FedDDA's default, ``AddedDataParams.add``; the released code's ``add_random``,
+  ZhZhuang/FedDDA Fed_classifier/common.py L190-191 and utils.py L598-605 ``get_data_random_idx``): a
+  class-balanced pool of ``pool_per_class`` images of every class is cut into ``n_block`` random slices
+  of ⌊C·P / n_block⌋ images, drawn without replacement, and client k gets slice k (common.py L200-209;
+  the reference's defaults n_block = n_clients = 10, common.py L242, L267). A client's slice follows the
+  pool's classes, not its own: every class it lacks arrives in about the pool's proportion.
+- ``lack`` (the released ``add_lack``, utils.py L616-650 ``get_lackdata_idx``; common.py L192-194): for
+  client k, mean_k = ⌊n_k / div⌋ (``div`` 10, common.py L266); every class j with n_kj < mean_k gets
+  mean_k − n_kj images of class j, taken from the same finite pool, clients in order 0, 1, ...; a class
+  whose pool runs out gives what is left (utils.py L639-641). A client's missing and under-represented
+  classes are filled up to ⌊n_k/div⌋; classes at or above it get nothing.
 
-Decisions (neither FedDifRC nor a released FedDDA code states them): the prompt "a photo of a {class}" (the
-class name only), DDIM with 50 steps and CFG 7.5 (Stable Diffusion's defaults), the evenly spread ``match``
-count above. Generation runs where ``setup`` runs: on the server before round 1, where worker processes
-then find the chunks; a client of a deployment without the run directory generates its own missing chunks
-(its class set is all the recipe needs).
+The pool's size: ``pool_per_class: reference`` = 2·⌊N/C⌋ per class (N the training samples the clients
+hold): the released generator wrote 10 000 images per class for CIFAR-10's 5 000 and 12 000 for
+Fashion-MNIST's 6 000 (fed-ddim-main/runners/diffusion.py L264 and its comment; the default ``gen_path``
+"...-10w", common.py L259), twice the training set in both. The pool's images are independent draws of
+their class, so only the images a client is handed are generated: a slice of the pool (``random``) or
+the filled counts (``lack``) have the reference's class counts without the unused rest of the pool.
+
+Generation (once, before round 1): client k's images from the class prompt alone (text-to-image,
+classifier-free guidance ``cfg_scale``), classes interleaved. They are written to
+``<run>/generated_data/client_XXX/`` in the dataset's own format through the resumable, chunked
+synthetic-set store of the one-shot methods (_synthetic.py): a chunk whose recipe fingerprint matches is
+kept, so a resumed run or a worker process opening the same run directory reuses them. Image i of client
+k draws the noise of (seed·65537 + k, i). The run's guidance record notes every client's label histogram
+before (its real samples), the generated counts and after (real + generated): ``fedguide analyze RUN
+--generated-data`` draws them.
+
+Training, two ways:
+- FedRCL ◇ (``mix``): every local batch of B real samples is joined by ⌈B·g_k/n_k⌉ generated ones (g_k
+  the client's generated images), drawn uniformly without replacement from its generated set with the
+  client's seeded torch stream: over an epoch the model sees its generated images as often as its real
+  ones, and every hook of the method (its loss, its feature taps) sees the joined batch.
+- FedDDA (``joined``): the real and generated samples are one set of n_k + g_k, of which each epoch is
+  one shuffled pass in batches of ``train.batch_size`` (the reference's DataLoader over
+  ``data_list[index] + client.dataset`` with shuffle=True, core_feddiffusion.py L101-108), generated
+  images augmented by ``train.augment`` as the real ones (the reference's one transform for both,
+  common.py L73-92, L183-186).
+
+Decisions (neither FedDifRC nor the FedDDA code states them): the prompt "a photo of a {class}" (the class
+name only; the reference's DDIM is conditioned on the label), DDIM with 50 steps and CFG 7.5 (Stable
+Diffusion's defaults), the evenly spread ``match`` count above, the ``random`` slices drawn with
+``method.seed``. Generation runs where ``setup`` runs: on the server before round 1, where worker
+processes then find the chunks; the ``random`` and ``lack`` plans need every client's histogram (the
+pool is shared), which the run's data holds.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from fedguide.registry import ConfigError
+
 FOLDER = "generated_data"
 NOISE_CLIENT_STRIDE = 65_537
+# The released generator's pool: twice the training set's images of every class (module docstring).
+REFERENCE_POOL_FACTOR = 2
 
 
-class GeneratedDataParams(BaseModel):
+class GenerationSettings(BaseModel):
+    """How the guidance model draws the images (shared by every plan)."""
+
     model_config = ConfigDict(extra="forbid")
-    per_class: Union[Annotated[int, Field(ge=1)], Literal["match"]] = Field(
-        "match", description="generated images per class a client holds; match = as many in all as its real ones")
     prompt: str = Field("a photo of a {}", description="class prompt template (the class name only)")
     steps: int = Field(50, ge=1, description="denoising steps")
     scheduler: Literal["ddim", "ddpm"] = "ddim"
     cfg_scale: float = Field(7.5, description="classifier-free guidance scale")
     gen_batch_size: int = Field(16, ge=1, description="images per sampler batch")
-    seed: int = Field(0, ge=0, description="seed of the generation noise")
+    seed: int = Field(0, ge=0, description="seed of the generation noise (and of the random plan's slices)")
 
     @field_validator("prompt")
     @classmethod
@@ -53,11 +92,93 @@ class GeneratedDataParams(BaseModel):
         return template
 
 
+class GeneratedDataParams(GenerationSettings):
+    """FedRCL ◇: images of the classes a client holds."""
+
+    per_class: Union[Annotated[int, Field(ge=1)], Literal["match"]] = Field(
+        "match", description="generated images per class a client holds; match = as many in all as its real ones")
+
+
+class AddedDataParams(GenerationSettings):
+    """FedDDA: images from a class-balanced pool, in random slices or where a client lacks them."""
+
+    add: Literal["random", "lack"] = Field(
+        "random", description="random = client k gets the k-th random slice of the class-balanced pool (the "
+                              "reference's default); lack = each class a client has under ⌊n_k/div⌋ of is "
+                              "filled up to it")
+    div: int = Field(10, ge=1, description="lack: the per-class level ⌊n_k / div⌋ a client's classes are filled to")
+    n_block: Optional[int] = Field(
+        None, ge=1, description="random: slices the pool is cut into (client k gets slice k); null = one per client")
+    pool_per_class: Union[Annotated[int, Field(ge=1)], Literal["reference"]] = Field(
+        "reference", description="images of every class in the pool; reference = twice the clients' training "
+                                 "samples per class, as the released generator's pool")
+
+
 def per_class_count(num_samples: int, num_classes_held: int, per_class: Union[int, str]) -> int:
     """Images per held class: ``per_class``, or ⌈n / |C_k|⌉ for ``match``."""
     if per_class == "match":
         return math.ceil(num_samples / max(num_classes_held, 1))
     return int(per_class)
+
+
+def held_counts(histograms: np.ndarray, per_class: Union[int, str]) -> np.ndarray:
+    """[K, C] generated images: ``per_class_count`` of every class a client holds, none of the others."""
+    out = np.zeros_like(histograms, dtype=np.int64)
+    for k, row in enumerate(histograms):
+        held = row > 0
+        out[k, held] = per_class_count(int(row.sum()), int(held.sum()), per_class)
+    return out
+
+
+def reference_pool_per_class(histograms: np.ndarray) -> int:
+    """The released pool's size per class: twice the clients' training samples per class."""
+    return REFERENCE_POOL_FACTOR * (int(histograms.sum()) // histograms.shape[1])
+
+
+def lack_counts(histograms: np.ndarray, div: int, pool_per_class: int) -> np.ndarray:
+    """[K, C] generated images of ``add_lack`` (ZhZhuang/FedDDA Fed_classifier/utils.py L631-649): client i's
+    class j gets ⌊n_i/div⌋ − n_ij where that is positive, from a pool of ``pool_per_class`` per class that
+    clients draw from in order; a class whose pool is short gives what is left."""
+    left = np.full(histograms.shape[1], pool_per_class, dtype=np.int64)
+    out = np.zeros_like(histograms, dtype=np.int64)
+    for i, row in enumerate(histograms):
+        mean = int(row.sum()) // div
+        for j, held in enumerate(row):
+            lack = mean - int(held)
+            if lack > 0:
+                out[i, j] = min(lack, int(left[j]))
+                left[j] -= out[i, j]
+    return out
+
+
+def check_blocks(n_block: int, num_clients: int) -> None:
+    if n_block < num_clients:
+        raise ConfigError(f"method.n_block {n_block} is below the number of clients {num_clients}: client k gets "
+                          f"slice k of the pool; set method.n_block to at least {num_clients} or null (one per client)")
+
+
+def random_counts(num_clients: int, num_classes: int, pool_per_class: int, n_block: int,
+                  rng: np.random.Generator) -> np.ndarray:
+    """[K, C] generated images of ``add_random`` (utils.py L598-605, common.py L200-209): the pool of
+    ``pool_per_class`` images per class cut into ``n_block`` random slices of ⌊C·P / n_block⌋ images
+    without replacement; client k gets slice k."""
+    check_blocks(n_block, num_clients)
+    labels = np.repeat(np.arange(num_classes), pool_per_class)
+    size = len(labels) // n_block
+    order = rng.permutation(len(labels))
+    return np.stack([np.bincount(labels[order[k * size:(k + 1) * size]], minlength=num_classes)
+                     for k in range(num_clients)]).astype(np.int64)
+
+
+def interleaved(counts: Sequence[int]) -> list[int]:
+    """Labels of ``counts[c]`` images of each class c, classes taking turns (a sampler batch mixes them)."""
+    left, out = [int(n) for n in counts], []
+    while any(left):
+        for c, n in enumerate(left):
+            if n:
+                out.append(c)
+                left[c] -= 1
+    return out
 
 
 def extra_count(batch: int, generated: int, real: int) -> int:
@@ -77,22 +198,100 @@ def mix(x: torch.Tensor, y: torch.Tensor, pool_x: torch.Tensor, pool_y: torch.Te
     return torch.cat([x, pool_x[rows].to(x.device, x.dtype)]), torch.cat([y, pool_y[rows].to(y.device)])
 
 
-class GeneratedData:
-    """The generated images of every client: ``setup`` makes (or finds) them, ``pool`` reads one client's."""
+@dataclasses.dataclass
+class JoinedSet:
+    """A client's real and generated samples as one training set for the local loop: host indices below
+    ``offset`` (the training set's size) are its real samples, ``offset + j`` its j-th generated image."""
 
-    def __init__(self, run, params: GeneratedDataParams, folder: Optional[Path] = None):
+    indices: torch.Tensor
+    offset: int
+
+    def __len__(self) -> int:
+        return int(self.indices.numel())
+
+
+class JoinedFeed:
+    """The batches of a ``JoinedSet`` as the local loop takes them (the interface of ``DeviceData`` it uses):
+    real samples from the run's device data (or the client's host tensors), generated ones from the pool,
+    each in its place in the shuffled order, the generated ones augmented by ``train.augment`` as well."""
+
+    def __init__(self, ctx, pool_x: torch.Tensor, pool_y: torch.Tensor, offset: int, pixel_stats):
+        self.base, self.data, self.offset = ctx.device_data, ctx.data, offset
+        self.device = self.base.device if self.base is not None else ctx.data.x.device
+        self.pool_x, self.pool_y = pool_x.to(self.device), pool_y.to(self.device)
+        self.augment = self.base.augment if self.base is not None else None
+        if self.augment is not None:  # generated images are standardised like the real ones: augment their pixels
+            self._mean, self._std = (torch.as_tensor(v, dtype=torch.float32, device=self.device).view(-1, 1, 1)
+                                     for v in pixel_stats)
+
+    def indices(self, idx: torch.Tensor) -> torch.Tensor:
+        # Kept on the host: a batch is split into real and generated rows there, without asking the device.
+        return idx
+
+    def _real(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.base is None:
+            return self.data.x[idx], self.data.y[idx]
+        return self.base.train_batch(self.base.indices(idx))
+
+    def _generated(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = rows.to(self.device, non_blocking=True)
+        x, y = self.pool_x[rows], self.pool_y[rows]
+        if self.augment is not None:
+            x = (self.augment(x * self._std + self._mean) - self._mean) / self._std
+        return x, y
+
+    def train_batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        generated = idx >= self.offset
+        if not generated.any():
+            return self._real(idx)
+        if generated.all():
+            return self._generated(idx - self.offset)
+        at_gen, at_real = torch.nonzero(generated).flatten(), torch.nonzero(~generated).flatten()
+        gx, gy = self._generated(idx[at_gen] - self.offset)
+        rx, ry = self._real(idx[at_real])
+        x = rx.new_empty((len(idx), *rx.shape[1:]))
+        y = ry.new_empty(len(idx))
+        at_gen, at_real = at_gen.to(x.device, non_blocking=True), at_real.to(x.device, non_blocking=True)
+        x[at_real], x[at_gen] = rx, gx.to(rx.dtype)
+        y[at_real], y[at_gen] = ry, gy.to(ry.dtype)
+        return x, y
+
+
+class GeneratedData:
+    """The generated images of every client: ``plan`` says how many of each class, ``setup`` makes (or finds)
+    them, ``pool`` reads one client's, ``joined`` makes a client's context train on real + generated."""
+
+    def __init__(self, run, params: Union[GeneratedDataParams, AddedDataParams], folder: Optional[Path] = None):
         self.run, self.params = run, params
         self.folder = Path(folder) if folder is not None else Path(run.run_dir) / FOLDER
         self._pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.mode == "random":  # found when the method is built (a dry run), not after the first generation
+            check_blocks(params.n_block or run.num_clients, run.num_clients)
 
-    def plan(self) -> dict[int, tuple[list[int], int]]:
-        """Per client: (the classes it holds, images per class)."""
-        out = {}
-        for cid in range(self.run.num_clients):
-            counts = self.run.data.client(cid).class_counts()
-            classes = torch.nonzero(counts).flatten().tolist()
-            out[cid] = (classes, per_class_count(int(counts.sum()), len(classes), self.params.per_class))
-        return out
+    @property
+    def mode(self) -> str:
+        return "held" if isinstance(self.params, GeneratedDataParams) else self.params.add
+
+    def histograms(self) -> np.ndarray:
+        """[K, C] the clients' real training samples per class."""
+        return np.stack([self.run.data.client(cid).class_counts().numpy()
+                         for cid in range(self.run.num_clients)]).astype(np.int64)
+
+    def pool_per_class(self) -> Optional[int]:
+        if self.mode == "held":
+            return None
+        p = self.params.pool_per_class
+        return reference_pool_per_class(self.histograms()) if p == "reference" else int(p)
+
+    def plan(self) -> np.ndarray:
+        """[K, C] generated images per client and class."""
+        p, hist = self.params, self.histograms()
+        if self.mode == "held":
+            return held_counts(hist, p.per_class)
+        if self.mode == "lack":
+            return lack_counts(hist, p.div, self.pool_per_class())
+        return random_counts(len(hist), hist.shape[1], self.pool_per_class(), p.n_block or len(hist),
+                             np.random.default_rng(p.seed))
 
     def setup(self) -> dict:
         """Generates whatever images are missing; returns what the run's record notes."""
@@ -104,20 +303,37 @@ class GeneratedData:
         model = guidance_model(run.guidance)
         store = SyntheticStore(self.folder)
         prompts = class_prompts(run.data.splits.class_names, p.prompt)
+        real, plan = self.histograms(), self.plan()
         generated, seconds = 0, 0.0
-        for cid, (classes, per_class) in sorted(self.plan().items()):
+        for cid, counts in enumerate(plan):
             recipe = {"method": "text-only", "guidance_model": model.model_id, "dtype": str(model.dtype),
                       "dataset": run.data_settings.name, "class_names": list(run.data.splits.class_names),
                       "input_shape": list(run.data.splits.input_shape), "prompt": p.prompt, "scheduler": p.scheduler,
                       "steps": p.steps, "cfg_scale": p.cfg_scale, "batch_size": p.gen_batch_size,
-                      "seed": p.seed * NOISE_CLIENT_STRIDE + cid, "client": cid, "classes": classes,
-                      "images_per_class": per_class}
+                      "seed": p.seed * NOISE_CLIENT_STRIDE + cid, "client": cid}
+            if self.mode == "held":
+                classes = np.nonzero(counts)[0].tolist()
+                per_class = int(counts[classes[0]]) if classes else 0
+                recipe.update(classes=classes, images_per_class=per_class)
+            else:
+                # generate_set gives ``per_class`` images of each entry of ``classes`` in turn: the label sequence
+                # itself, one image per entry, gives the plan's uneven counts.
+                classes, per_class = interleaved(counts), 1
+                recipe.update(add=self.mode, counts=counts.tolist())
+            if not classes:
+                store.drop_chunks_from(cid, 0)  # nothing for this client: no images of an earlier plan stay
+                continue
             job = GenerationJob(cid, classes, recipe, partial(self._sample, model, cid))
             _, stats = generate_set(store, [job], lambda labels: [prompts[c] for c in labels], per_class,
                                     4 * p.gen_batch_size, run.data.splits)
             generated, seconds = generated + stats.generated_images, seconds + stats.seconds
-        return {"folder": str(self.folder), "generated_images": generated, "seconds": round(seconds, 3),
-                "per_client": {cid: len(classes) * n for cid, (classes, n) in self.plan().items()}}
+        note = {"folder": str(self.folder), "add": self.mode, "generated_images": generated,
+                "seconds": round(seconds, 3), "per_client": {cid: int(n) for cid, n in enumerate(plan.sum(1))},
+                "histograms": {"class_names": list(run.data.splits.class_names), "real": real.tolist(),
+                               "generated": plan.tolist(), "after": (real + plan).tolist()}}
+        if self.mode != "held":
+            note["pool_per_class"] = self.pool_per_class()
+        return note
 
     def _sample(self, model, client_id: int, prompts: list[str], labels: torch.Tensor, first: int):
         from fedguide.guidance.samplers import SamplerConfig, sample
@@ -142,3 +358,12 @@ class GeneratedData:
             self._pools = {client_id: (x, y)}  # one client's pool at a time: memory does not grow with clients
         x, y = self._pools[client_id]
         return x.to(device), y.to(device)
+
+    def joined(self, ctx):
+        """``ctx`` with its data the client's real and generated samples as one set (``JoinedSet``), whose
+        batches the local loop gathers through a ``JoinedFeed``."""
+        offset = len(self.run.data.splits.train_y)
+        pool_x, pool_y = self.pool(ctx.client_id, ctx.device)
+        indices = torch.cat([ctx.data.indices, offset + torch.arange(len(pool_y), dtype=ctx.data.indices.dtype)])
+        feed = JoinedFeed(ctx, pool_x, pool_y, offset, self.run.data.splits.pixel_stats)
+        return dataclasses.replace(ctx, data=JoinedSet(indices, offset), device_data=feed)

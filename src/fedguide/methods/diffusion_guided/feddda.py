@@ -1,30 +1,52 @@
 """FedDDA (PRCV 2023; FedDifRC's Table 6 baseline "diffusion-based FL methods ... which build synthetic
-datasets to enhance performance"): every client trains on its own data augmented with images the
-guidance model generates for the classes it holds; server: FedAvg.
+datasets to enhance performance"): every client trains on its own data joined by images a diffusion model
+generates, added where its label skew needs them; server: FedAvg weighted by real + generated samples.
 
-What FedDifRC's text gives is all this implements: the guidance model (Stable Diffusion in the paper,
-``guidance:`` here) generates class-conditional images per client, and the clients train on real and
-generated data together. The generation, the amount (``per_class``, default ``match``: as many generated
-images as the client has real ones, spread evenly over its classes) and the way generated images join
-the local batches are those of ``_generated_data.py``; its docstring lists the decisions neither paper
-states. The FedDDA paper's own text and code were not at hand: check its generation prompt, amount and
-mixing ratio against them when they are.
+Followed: the authors' released code (ZhZhuang/FedDDA, Fed_classifier/), in three parts:
+
+- What a client gets (``add``; _generated_data.py says how, with the file and line of each rule):
+  ``random`` (the reference's default, common.py L265): client k gets the k-th of ``n_block`` random
+  slices of a class-balanced generated pool (``pool_per_class`` images of every class, by default twice
+  the training samples per class as the released pool); ``lack``: every class client k has fewer than
+  ⌊n_k/div⌋ samples of (``div`` 10) is filled up to ⌊n_k/div⌋ from that pool, so its missing and
+  under-represented classes are added and the others are not.
+- Local training: one shuffled pass per epoch over the client's real and generated samples together, in
+  batches of ``train.batch_size`` (core_feddiffusion.py L101-108: a DataLoader over generated + real
+  with shuffle=True, ``local_epoch`` passes), cross-entropy; generated images get ``train.augment`` as
+  the real ones (the reference's one transform for both, common.py L73-92, L183-186).
+- Aggregation: FedAvg weighted by each client's real + generated count (core_feddiffusion.py L102,
+  L116-122: ``num_sample = len(generated + real)``).
+
+Declared differences from the reference:
+- The generator is the run's guidance model (``guidance:``, Stable Diffusion in FedDifRC's setting, the
+  embedded models on a CPU), prompted with "a photo of a {class}". The reference trains a class-
+  conditional DDIM federatedly on the clients' images (fed-ddim-main/, FedAvg over the clients'
+  diffusion models) and samples its pool from it; that training stage is not reproduced.
+- The reference's optimiser (Adam, lr 1e-3), batch size (128) and 5 local epochs (common.py L176,
+  L252-255) are the run's ``train:`` settings here, as for every method of a comparison.
+- Its sample filter (``filter_round``, cleanlab on the generated images, core_feddiffusion.py L136-160) is
+  off by default in the reference (filter_round 99999, common.py L269) and not reproduced.
+
+Each client's label histogram before (real), the generated counts and after (real + generated) are in
+the run's guidance record (``guidance/feddda.json``, ``generated_data.histograms``); ``fedguide analyze RUN
+--generated-data`` draws them as the partition heatmaps of ``fedguide report``, which shows them.
 
 Global accuracy: the averaged model on the global test set (FedAvg's).
 """
 from __future__ import annotations
 
-import torch
+from typing import Any, Optional
 
-
+from fedguide.core.training import train_local
 from fedguide.methods.diffusion_guided._diffusion_features import GuidanceRecord
-from fedguide.methods.diffusion_guided._generated_data import GeneratedData, GeneratedDataParams, extra_count, mix
+from fedguide.methods.diffusion_guided._generated_data import AddedDataParams, GeneratedData
 from fedguide.methods.base import METHODS, Method
 
 
-@METHODS.register("feddda", params=GeneratedDataParams)
+@METHODS.register("feddda", params=AddedDataParams)
 class FedDDA(Method):
-    """FedDDA: local training on real plus guidance-model-generated images of the client's classes; FedAvg."""
+    """FedDDA: local training on real plus generated images (random pool slices or a client's lacking classes);
+    FedAvg weighted by real + generated samples."""
 
     extras = ("guidance",)  # built on the guidance model (diffusers, transformers)
 
@@ -37,11 +59,13 @@ class FedDDA(Method):
         record.note("generated_data", self.generated.setup())
         record.write()
 
-    def begin_local(self, model, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        # The round's state: the generated images of the client's classes and their labels.
-        return self.generated.pool(ctx.client_id, ctx.payload["weights"].device)
+    def fit(self, model, ctx, train) -> tuple[Optional[float], Any]:
+        """One shuffled pass per epoch over the client's real and generated samples as one set; the round's
+        state is that set's size, the client's FedAvg weight."""
+        model.train()
+        joined = self.generated.joined(ctx)
+        loss, ctx.steps = train_local(model, self, joined, self.local_train(train), ctx.generator)
+        return (loss if ctx.steps else None), len(joined.data)
 
-    def local_loss(self, model, x, y, ctx, state: tuple[torch.Tensor, torch.Tensor]):
-        pool_x, pool_y = state
-        x, y = mix(x, y, pool_x, pool_y, extra_count(len(y), len(pool_y), len(ctx.data)))
-        return super().local_loss(model, x, y, ctx, state)
+    def client_upload(self, model, ctx, state: int):
+        return {"weights": self.run.layout.flatten(model), "num_samples": state}
