@@ -184,7 +184,7 @@ def test_params_defaults_and_validation():
 
 def test_lambda_role_says_which_setting_lambda_is_on_hand_computed_numbers():
     """FedDifRC's λ = 0.6 read as FedRCL's similarity threshold (the default) or as the RCL loss weight, the other
-    setting then as FedRCL's released config has it (skynbe/FedRCL configs/client/fedrcl.yaml: the penalty's
+    setting then as FedRCL's released config has it (skynbe/FedRCL/configs/client/fedrcl.yaml: the penalty's
     ``threshold: 0.7`` L27, the loss weights ``weight: 1`` L19, L24, L28).
 
     z_a = (1, 0), z_b = (0.65, √(1 − 0.65²)) in class 0, z_c = (0, 1) in class 1; τ = 0.5, β = 1:

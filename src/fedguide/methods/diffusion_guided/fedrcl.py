@@ -29,7 +29,7 @@ Hyperparameters and what they mean:
   therefore an option:
   ``threshold`` (the default): λ is the similarity above which a positive pair is penalised (P_i^λ above).
   FedRCL's released config has exactly one setting on a 0-1 scale that a {0.2, ..., 0.8} grid can tune, the
-  penalty's ``threshold: 0.7`` (skynbe/FedRCL configs/client/fedrcl.yaml L27), which sits inside that grid;
+  penalty's ``threshold: 0.7`` (skynbe/FedRCL/configs/client/fedrcl.yaml L27), which sits inside that grid;
   its loss weights are all 1 (the SCL pair's ``weight: 1`` L19, the penalty's L24, ``rcl_loss.weight: 1``
   L28), and a grid for a weight of 1 that stops at 0.8 would not contain the released value; β, the other
   tuned number, is the penalty weight. ``weight``: λ weighs the RCL term against cross-entropy instead, and

@@ -145,11 +145,13 @@ class FedDISCParams(CentroidParams):
 
     @model_validator(mode="after")
     def _one_reading(self) -> "FedDISCParams":
-        given = self.model_fields_set
-        if self.schedule == "paper" and "client_noise_level" in given:
+        # By value, not by which keys were written: a run folder's config.yaml writes every option out, and it
+        # must resolve again (resume, report).
+        defaults = type(self).model_fields
+        if self.schedule == "paper" and self.client_noise_level != defaults["client_noise_level"].default:
             raise ValueError("client_noise_level is the released schedule's client noising; set schedule: released "
                              "or drop it (the paper schedule noises once, at noise_level)")
-        if self.schedule == "released" and "min_cluster_size" in given:
+        if self.schedule == "released" and self.min_cluster_size != defaults["min_cluster_size"].default:
             raise ValueError("min_cluster_size belongs to the paper schedule; the released schedule uploads a "
                              "class's noised features themselves when it has at most num_centroids of them")
         if self.schedule == "released" and self.cfg_scale != 1:
@@ -158,7 +160,7 @@ class FedDISCParams(CentroidParams):
         if self.head == "model" and self.head_train_set != "generated":
             raise ValueError("head: model trains the run's model on images; the uploaded centroids are features: "
                              "use head_train_set: generated or head: encoder")
-        if self.head == "encoder" and "model_epochs" in given:
+        if self.head == "encoder" and self.model_epochs != defaults["model_epochs"].default:
             raise ValueError("model_epochs trains the run's model, which head: encoder does not use; set head: model "
                              "or drop it")
         return self
