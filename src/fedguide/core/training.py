@@ -74,10 +74,11 @@ def has_batchnorm(model: torch.nn.Module) -> bool:
 
 
 def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generator: torch.Generator,
-                state: Any = None) -> tuple[float, int]:
+                state: Any = None, optimizer: "torch.optim.Optimizer | None" = None) -> tuple[float, int]:
     """Run ``cfg.epochs`` epochs (or exactly ``cfg.local_steps`` steps) of the method's local
     objective on the round's ``state`` (what ``method.begin_local`` returned, called by the caller with the
-    model in training mode); returns (mean loss, steps).
+    model in training mode); returns (mean loss, steps). ``optimizer``: one the caller keeps across several
+    calls (FedRep's head and body phases under one optimiser), else a fresh one from ``cfg``.
 
     Batches come from ``ctx.device_data`` (the run's tensors where it computes, augmented with
     ``train.augment``) or, without it, are gathered from the client's host tensors. ``ctx.batch_indices``
@@ -85,7 +86,7 @@ def train_local(model: torch.nn.Module, method: Any, ctx: Any, cfg: Any, generat
     """
     data, feed = ctx.data, getattr(ctx, "device_data", None)
     n = len(data)
-    optimizer = make_optimizer(model, cfg)
+    optimizer = optimizer if optimizer is not None else make_optimizer(model, cfg)
     model.train()
     # Optimisers of parameters the method owns beside the model's (Method.local_optimizers), built in begin_local.
     owned = list(method.local_optimizers(ctx, state)) if hasattr(method, "local_optimizers") else []

@@ -18,7 +18,7 @@ from fedguide.core import simulated
 from fedguide.core.device import device_rules, deterministic, resolve_device, to_device
 from fedguide.core.records import record_bytes
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedguide.fl.evaluation import (personal_summary, personal_test_record, round_evaluation,
+from fedguide.fl.evaluation import (personal_summary, personal_test_record, readings_summary, round_evaluation,
                                    validation_evaluator)
 from fedguide.fl.participation import participation
 from fedguide.fl.loggers import MetricLoggers, check_available, open_loggers
@@ -299,6 +299,7 @@ class Experiment:
             summary.update(best_val_accuracy=metrics[picked]["val_accuracy"], best_val_round=metrics[picked]["round"],
                            accuracy_at_best_val=curve[picked], final_val_accuracy=metrics[-1]["val_accuracy"])
         summary.update(personal_summary(self.cfg, metrics))
+        summary.update(readings_summary(self.cfg, metrics))
         summary.update({k: v for k, v in notes.items() if k != "setup_seconds"})
         summary.update(clients.finish(metrics))
         if simulated.current() is not None:

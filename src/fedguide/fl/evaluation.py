@@ -106,3 +106,20 @@ def personal_summary(cfg: Config, metrics: list[dict[str, Any]]) -> dict[str, An
     return {"eval_mode": cfg.eval.mode, **{f"final_{k}": scored[-1][k] for k in PERSONAL_KEYS},
             "best_personal_accuracy": best["personal_accuracy"], "best_personal_round": best["round"],
             "personal_client_accuracy": scored[-1]["personal_client_accuracy"]}
+
+
+def readings_summary(cfg: Config, metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's entries of the other readings of the global accuracy a method reports beside ``accuracy``
+    (its ``evaluate``'s ``readings``: name -> accuracy, e.g. FedRep's ``last_local``): for each name
+    ``final_<name>_accuracy``, ``<name>_accuracy_last_k`` (over the run's last_k window), ``best_<name>_accuracy``
+    and ``best_<name>_round``."""
+    out: dict[str, Any] = {}
+    names = [n for m in metrics for n in m.get("readings", {})]
+    for name in dict.fromkeys(names):
+        scored = [(m["round"], m["readings"][name]) for m in metrics if name in m.get("readings", {})]
+        k = cfg.report.last_k_for(len(scored))
+        best = max(scored, key=lambda rv: rv[1])
+        out.update({f"final_{name}_accuracy": scored[-1][1],
+                    f"{name}_accuracy_last_k": sum(v for _, v in scored[-k:]) / k,
+                    f"best_{name}_accuracy": best[1], f"best_{name}_round": best[0]})
+    return out

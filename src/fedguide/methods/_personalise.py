@@ -4,7 +4,7 @@ ranges of a model's body, head and top layers, and fine-tuning a weight vector o
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,28 @@ def top_layers_start(layout: WeightLayout, model: torch.nn.Module, layers: int, 
     return offsets[modules[-layers]]
 
 
+class StepFrozen:
+    """The local loop's hooks of one training phase: ``inner``'s (plain cross-entropy by default), and after each
+    backward pass a zero gradient for ``params``, a part frozen in this phase, so that an optimiser kept across
+    phases steps it as ``zero_grad()`` left it before torch 2: a zeroed gradient, not none, once the part has
+    had one. SGD's momentum and weight decay and Adam's moments then keep moving it, and Adam counts the step
+    (FedRep's and FedDW's released codes, on torch 0.4.1 and 1.12, train this way)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], inner: Any = None):
+        self._params, self._inner = params, (_CrossEntropy() if inner is None else inner)
+
+    def __getattr__(self, name: str) -> Any:  # the inner hooks' loss, regularisers and optimisers
+        return getattr(self._inner, name)
+
+    def local_loss(self, model: Any, x: torch.Tensor, y: torch.Tensor, ctx: Any, state: Any) -> torch.Tensor:
+        return self._inner.local_loss(model, x, y, ctx, state)
+
+    def after_backward(self, model: Any, ctx: Any, state: Any) -> None:
+        self._inner.after_backward(model, ctx, state)
+        for p in self._params:
+            p.grad = torch.zeros_like(p)
+
+
 class _CrossEntropy:
     """The local loop's hooks for plain cross-entropy (fine-tuning ignores the method's own objective)."""
 
@@ -109,16 +131,21 @@ def features_reusable(model: torch.nn.Module, ctx: ClientContext) -> bool:
     return True
 
 
-def train_head(model: SplitModel, ctx: ClientContext, train: Any) -> tuple[float, int]:
+def train_head(model: SplitModel, ctx: ClientContext, train: Any, optimizer: Optional[torch.optim.Optimizer] = None,
+               hooks: Any = None, reuse: bool = True) -> tuple[float, int]:
     """Cross-entropy training of ``model.head`` on the client's data with the body frozen (the caller freezes
-    it), batches drawn from ``ctx.generator``; (mean loss, steps) as ``train_local`` returns them.
+    it), batches drawn from ``ctx.generator``; (mean loss, steps) as ``train_local`` returns them. ``optimizer``
+    and ``hooks`` go to ``train_local`` (a caller's optimiser kept across phases; the loop's hooks, plain
+    cross-entropy by default); ``reuse`` False: through the body whatever ``features_reusable`` says (the
+    caller's hooks may move the frozen body).
 
     Where ``features_reusable``, the body's features are computed once and the head trains on them instead of
     running the body in every epoch: the same batches in the same order (the client's samples renumbered
     0..n-1 keep their places in every shuffle), the same optimiser, the same generator draws, so the result
     equals training through the frozen body up to float rounding, at the cost of one pass of the body."""
-    if not features_reusable(model, ctx):
-        return train_local(model, _CrossEntropy(), ctx, train, ctx.generator)
+    hooks = _CrossEntropy() if hooks is None else hooks
+    if not (reuse and features_reusable(model, ctx)):
+        return train_local(model, hooks, ctx, train, ctx.generator, optimizer=optimizer)
     idx = ctx.data.indices
     chunk = max(train.batch_size, 256)
     parts, labels = [], []
@@ -130,7 +157,7 @@ def train_head(model: SplitModel, ctx: ClientContext, train: Any) -> tuple[float
     feats, labels = torch.cat(parts), torch.cat(labels)
     data = ClientData(ctx.client_id, torch.arange(len(idx)), feats.float(), labels, ctx.data.num_classes)
     head_ctx = ClientContext(ctx.client_id, ctx.round, data, {}, {}, generator=ctx.generator)
-    return train_local(model.head, _CrossEntropy(), head_ctx, train, ctx.generator)
+    return train_local(model.head, hooks, head_ctx, train, ctx.generator, optimizer=optimizer)
 
 
 def batch_stream(indices: torch.Tensor, batch_size: int, generator: torch.Generator, min_size: int = 1

@@ -194,6 +194,14 @@ HEADER = [
 NUMERIC_COLUMNS = {3, 4, 6, 7, 8, 9, 10, 11}
 
 
+READINGS_FOOTNOTE = (
+    "A column named after a reading (e.g. *last_local last-k acc %*) is another reading of the global test accuracy "
+    "that the method reports beside its own (metrics.jsonl's readings; FedRep's and FedPer's last_local: each "
+    "client's model as its last local training left it, FedDW's inference_by_pFL), last-k mean, then mean ± std "
+    "over seeds."
+)
+
+
 def _cost(wall: list[float], setup: list[float]) -> Num | str:
     """Mean wall seconds over seeds, with the set-up part beside it when there is one worth showing."""
     if not wall:
@@ -212,7 +220,11 @@ def results_data(runs: Runs, last_k: int | None = None) -> Table:
     personal = any(r.series("personal_accuracy")[1] for r in runs)
     # Runs with a validation split (data.val_fraction) show the test accuracy of the round it picks.
     validated = any(r.series("val_accuracy")[1] for r in runs)
-    own = (["personal last-k acc %"] if personal else []) + (["acc at best val % (mean ± std)"] if validated else [])
+    # Other readings of the global accuracy a method reports beside it (metrics.jsonl's readings: FedRep's and
+    # FedPer's last_local), one column each.
+    readings = list(dict.fromkeys(name for r in runs for m in r.metrics for name in m.get("readings", {})))
+    own = (["personal last-k acc %"] if personal else []) + (["acc at best val % (mean ± std)"] if validated else []) \
+        + [f"{name} last-k acc % (mean ± std)" for name in readings]
     table = Table(HEADER + own + extra, numeric=set(NUMERIC_COLUMNS) | set(range(len(HEADER), len(HEADER) + len(own))),
                   csv_names={7: ("last-k acc % mean", "last-k acc % std"), 8: ("final acc % mean", "final acc % std"),
                              9: ("best acc % mean", "best acc % std"),
@@ -229,9 +241,11 @@ def results_data(runs: Runs, last_k: int | None = None) -> Table:
             _cost(wall, g._values("setup_seconds")), Num(statistics.fmean(up) if up else None, ".3f"),
             *([Stat(values(g.runs, "personal_last_k", k))] if personal else []),
             *([Stat(values(g.runs, "best_val", k))] if validated else []),
+            *(Stat(values(g.runs, "last_k", k, f"readings.{name}")) for name in readings),
             *(g.settings[c] for c in extra),
         ])
-    table.notes = [LAST_K_FOOTNOTE, BEST_FOOTNOTE, STD_FOOTNOTE] + ([BEST_VAL_FOOTNOTE] if validated else [])
+    table.notes = [LAST_K_FOOTNOTE, BEST_FOOTNOTE, STD_FOOTNOTE] + ([BEST_VAL_FOOTNOTE] if validated else []) \
+        + ([READINGS_FOOTNOTE] if readings else [])
     if any(g.repeated_seed for g in groups):
         table.notes.append(REPEATED_SEED_FOOTNOTE)
     if any(not r.complete for r in runs):

@@ -1,9 +1,13 @@
 """FedRep: the head trains first with the representation fixed, then the representation with the head fixed;
-only the representation travels and is averaged; the head lives in the client's state."""
+only the representation travels and is averaged; the head lives in the client's state. The phases' one
+optimiser on hand-computed Adam steps (lgcollins/FedRep models/Update.py; FedDW's Updata.py)."""
+import pytest
 import torch
 
 import fedguide.methods._personalise as personalise
 from fedguide.methods._personalise import head_span
+from fedguide.methods.personalised.fedrep import FedRepParams
+from fedguide.registry import ConfigError
 from tests.methods.pfl_cases import client_round, opened
 
 
@@ -78,3 +82,101 @@ def test_server_averages_representations_and_personal_models_use_each_clients_he
     # A client that has not trained yet holds the initial head.
     assert torch.equal(method.personal_model(1, 3, glob)[head], ctx.initial_weights[head])
     assert set(method.evaluate(1, glob)) >= {"accuracy", "client_accuracy_min", "client_accuracy_max"}
+
+
+# ---- the phases' optimiser (lgcollins/FedRep models/Update.py L559-565 and L598-642; FedDW Updata.py L475-534) --
+ADAM = {"optimizer": "adam", "lr": 0.01, "weight_decay": 0.0, "batch_size": 10_000}  # one step per epoch
+
+
+def _one_step_phases(tmp_path, optimizer, client_state=None):
+    """A client round of 1 head epoch and 1 representation epoch, each one full-batch Adam step; returns
+    (start weights, trained weights, the head's gradient at the start, the body's after the head step)."""
+    ctx, method = opened(tmp_path, {"name": "fedrep", "head_epochs": 1, "body_epochs": 1, "optimizer": optimizer},
+                         train=ADAM)
+    head = head_span(ctx.layout)
+    start = ctx.initial_weights.clone()
+    if client_state is not None:
+        ctx.store.put(0, 1, client_state(start[head]))
+        ctx.store.commit(1)
+    client_round(ctx, method, 0, 2, start)
+    trained = ctx.layout.flatten(ctx.model)
+    data = ctx.data.client(0)
+
+    def grad_at(weights, part):
+        ctx.layout.load(ctx.model, weights)
+        loss = torch.nn.functional.cross_entropy(ctx.model(data.x[data.indices]), data.y[data.indices])
+        params = list(getattr(ctx.model, part).parameters())
+        return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)])
+
+    g_head = grad_at(start, "head")
+    after_head = start.clone()
+    after_head[head] -= 0.01 * g_head / (g_head.abs() + 1e-8)  # Adam's first step: lr · g / (|g| + eps)
+    g_body = grad_at(after_head, "encoder")
+    return ctx, start, trained, g_head, g_body
+
+
+def test_one_optimiser_keeps_moving_the_head_by_its_moments_in_the_representation_epochs(tmp_path):
+    """Update.py L559 builds one optimiser before the epoch loop and L638 zeroes gradients with torch 0.4.1's
+    ``zero_grad`` (a zeroed gradient stays): in the representation epoch the head takes Adam's second step with a
+    zero gradient. By hand (β1 0.9, β2 0.999): m = 0.9·0.1·g, v = 0.999·0.001·g², bias corrections 1 − 0.9² and
+    1 − 0.999², so the head moves a further lr · (0.09 g / 0.19) / (√(0.000999 g² / 0.001999) + eps), 0.670 lr
+    per element; the body, without a gradient in the head epoch, takes a first step lr · g / (|g| + eps)."""
+    ctx, start, trained, g_head, g_body = _one_step_phases(tmp_path, "shared")
+    head = head_span(ctx.layout)
+    first = 0.01 * g_head / (g_head.abs() + 1e-8)
+    second = 0.01 * (0.09 * g_head / 0.19) / ((0.000999 * g_head ** 2 / (1 - 0.999 ** 2)).sqrt() + 1e-8)
+    assert torch.allclose(trained[head], start[head] - first - second, atol=1e-6)
+    assert float((second.abs() / 0.01)[g_head.abs() > 1e-4].mean()) == pytest.approx(0.670046, abs=1e-4)
+    body_step = 0.01 * g_body / (g_body.abs() + 1e-8)
+    assert torch.allclose(trained[: head.start], start[: head.start] - body_step, atol=1e-6)
+
+
+def test_a_fresh_optimiser_per_phase_leaves_the_frozen_head_where_its_epochs_left_it(tmp_path):
+    ctx, start, trained, g_head, g_body = _one_step_phases(tmp_path, "per_phase")
+    head = head_span(ctx.layout)
+    assert torch.allclose(trained[head], start[head] - 0.01 * g_head / (g_head.abs() + 1e-8), atol=1e-6)
+    assert torch.allclose(trained[: head.start], start[: head.start] - 0.01 * g_body / (g_body.abs() + 1e-8),
+                          atol=1e-6)
+
+
+def test_kept_gradients_count_the_head_epochs_in_the_representations_adam_steps(tmp_path):
+    """FedDW keeps ``client.model`` across rounds (main.py L334-335) with the gradients torch 1.12's
+    ``model.zero_grad()`` (Updata.py L494) zeroes but keeps: from a client's second round its representation is
+    stepped with zero gradients in the head epoch (Adam step 1: m = v = 0, no move) and takes its first real step
+    as Adam's second: lr · (0.1 g / 0.19) / (√(0.001 g² / 0.001999) + eps), 0.744 lr per element."""
+    ctx, start, trained, g_head, g_body = _one_step_phases(
+        tmp_path, "shared_kept_grads", client_state=lambda own_head: {"personal": own_head})
+    head = head_span(ctx.layout)
+    step = 0.01 * (0.1 * g_body / 0.19) / ((0.001 * g_body ** 2 / (1 - 0.999 ** 2)).sqrt() + 1e-8)
+    assert torch.allclose(trained[: head.start], start[: head.start] - step, atol=1e-6)
+    assert float((step.abs() / 0.01)[g_body.abs() > 1e-4].mean()) == pytest.approx(0.744135, abs=1e-4)
+    # In a client's first round there is nothing kept: the representation's first step is Adam's first.
+    ctx, start, trained, _, g_body = _one_step_phases(tmp_path / "first", "shared_kept_grads")
+    assert torch.allclose(trained[: head.start], start[: head.start] - 0.01 * g_body / (g_body.abs() + 1e-8),
+                          atol=1e-6)
+
+
+def test_rest_gives_the_representation_the_epochs_the_head_leaves(tmp_path):
+    """FedDW's Updata.py L489 and L519: ``range(head_ep)`` head epochs, then ``range(head_ep, client_epoch)``."""
+    ctx, method = opened(tmp_path, {"name": "fedrep", "head_epochs": 1, "body_epochs": "rest"},
+                         train={"epochs": 3})
+    phases = []
+    ctx.model.head.register_forward_pre_hook(
+        lambda m, _: phases.append("head" if ctx.model.head.weight.requires_grad else "body") if m.training else None)
+    client_round(ctx, method, 0, 1, ctx.initial_weights)
+    batches = -(-len(ctx.data.client(0)) // ctx.config.train.batch_size)
+    assert phases == ["head"] * batches + ["body"] * 2 * batches
+    with pytest.raises(ConfigError, match="raise train.epochs above 3"):
+        opened(tmp_path / "short", {"name": "fedrep", "head_epochs": 3, "body_epochs": "rest"}, train={"epochs": 3})
+    with pytest.raises(ConfigError, match="unset train.local_steps"):
+        opened(tmp_path / "steps", {"name": "fedrep", "body_epochs": "rest"}, train={"local_steps": 5})
+
+
+def test_the_official_scripts_head_epochs_and_feddws_preset():
+    """scripts/FedRep_*.sh: local_ep − local_rep_ep = 11 − 1 or 15 − 5 = 10 head epochs; FedDW's config.py
+    head_ep = 1, Updata.py L456-537."""
+    assert FedRepParams().head_epochs == 10 and FedRepParams().optimizer == "shared"
+    feddw = FedRepParams(protocol="feddw")
+    assert (feddw.head_epochs, feddw.body_epochs, feddw.optimizer, feddw.last_local_eval) == \
+        (1, "rest", "shared_kept_grads", True)
+    assert FedRepParams(protocol="feddw", head_epochs=2).head_epochs == 2  # an explicit option wins

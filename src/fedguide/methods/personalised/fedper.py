@@ -13,21 +13,35 @@ Defaults and decisions:
 - A client that has not trained yet starts from the run's seeded initial personalisation layers.
 - Global accuracy (FedDW's protocol): the mean over all clients of their personalised models (the global
   base with their own personalisation layers) on the global test set; see ``_split_federation``.
-  ``model.safetensors`` holds the averaged base with the initial personalisation layers.
+  ``model.safetensors`` holds the averaged base with the initial personalisation layers. ``last_local_eval:
+  true`` adds ``readings.last_local``: the clients' models as their last local training left them, their own
+  trained base included (FedDW's ``inference_by_pFL``, ``utils.py`` L248-274, ``main.py`` L410).
+- ``protocol: feddw`` (FedDW Tables I/IV, ``Updata.py`` L413-452: the averaged base loaded, every layer trained
+  E epochs with one Adam, ``fc3`` kept): ``last_local_eval: true``; the local training is the run's already.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fedguide.methods._personalise import top_layers_start
-from fedguide.methods.personalised._split_federation import SplitFederation
 from fedguide.methods.base import METHODS
+from fedguide.methods.personalised._protocol import Protocol, apply_protocol, protocol_field
+from fedguide.methods.personalised._split_federation import SplitFederation, last_local_field
+
+PRESETS = {"feddw": {"last_local_eval": True}}
 
 
 class FedPerParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    protocol: Protocol = protocol_field()
     personal_layers: int = Field(1, ge=1, description="K_P: the top layers kept on each client (1 = the "
                                                       "classification layer)")
+    last_local_eval: bool = last_local_field()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _protocol(cls, data):
+        return apply_protocol(data, PRESETS)
 
 
 @METHODS.register("fedper", params=FedPerParams)
