@@ -7,6 +7,7 @@ from torch import nn
 
 from fedguide.methods import ClientContext
 from fedguide.methods.personalised.fedala import ala_update, learn_weights
+from fedguide.registry import ConfigError
 from tests.methods.pfl_cases import client_round, opened
 
 
@@ -78,3 +79,75 @@ def test_global_accuracy_is_the_clients_mean_or_the_servers_model(tmp_path, glob
     ctx, method = opened(tmp_path, {"name": "fedala", "global_eval": global_eval})
     out = method.evaluate(1, ctx.initial_weights)
     assert ("client_accuracy_min" in out) == (global_eval == "clients")
+
+
+def _two_of_four_trained(ctx, method):
+    uploads = []
+    for cid in (0, 1):
+        upload, _ = client_round(ctx, method, cid, 1, ctx.initial_weights)
+        uploads.append({**upload, "client_id": cid})
+    return uploads
+
+
+def test_every_client_initialises_with_ala_every_round_as_the_released_server_does(tmp_path):
+    """serverALA.py L45 and L90-94: each round ``send_models`` runs ``local_initialization`` (ALA) for every
+    client, not only the selected ones, and L47-50 evaluates those models. Here: when round 1 is aggregated,
+    every client's model is mixed with Θ_1 and kept, a client that never trained mixing the initial model
+    (clientALA.py L15); a chosen client starts round 2 from it without mixing again."""
+    ctx, method = opened(tmp_path, {"name": "fedala", "first_max_epochs": 2})
+    assert method.params.ala_clients == "all"
+    uploads = _two_of_four_trained(ctx, method)
+    glob = method.aggregate(1, ctx.initial_weights, uploads)
+    top = method._start
+    for cid in range(4):
+        state = ctx.store.get(cid, 1)
+        local = uploads[cid]["weights"] if cid < 2 else ctx.initial_weights
+        assert state["ala_round"] == 1 and "ala_weights" in state
+        assert torch.equal(state["weights"][:top], glob[:top])  # the lower layers take Θ_1
+        lo, hi = torch.minimum(local[top:], glob[top:]), torch.maximum(local[top:], glob[top:])
+        assert bool(((state["weights"][top:] >= lo - 1e-6) & (state["weights"][top:] <= hi + 1e-6)).all())
+        assert torch.equal(method.personal_model(1, cid, glob), state["weights"].to(glob.device))
+    ctx.store.commit(1)
+    state = ctx.store.get(3)
+    forwards = []
+    hook = ctx.model.register_forward_pre_hook(lambda m, a: forwards.append(1))
+    start = method.client_start(ClientContext(3, 2, ctx.data.client(3), {"weights": glob}, dict(state),
+                                              device_data=ctx.device_data))
+    hook.remove()
+    assert torch.equal(start, state["weights"]) and not forwards
+
+
+def test_participants_only_leaves_the_others_as_they_were(tmp_path):
+    """FedDW's main.py L656-659: ALA runs inside the participants' local update only."""
+    ctx, method = opened(tmp_path, {"name": "fedala", "ala_clients": "participants"})
+    uploads = _two_of_four_trained(ctx, method)
+    glob = method.aggregate(1, ctx.initial_weights, uploads)
+    assert ctx.store.get(2, 1) == {} and "ala_round" not in ctx.store.get(0, 1)
+    # A client joining in round 2 mixes the initial model it holds (FedDW's main.py L643-644; ALA.py L82 skips
+    # only while the first parameters agree).
+    cctx = ClientContext(2, 2, ctx.data.client(2), {"weights": glob}, {}, device_data=ctx.device_data)
+    start = method.client_start(cctx)
+    assert "ala_weights" in cctx.state and torch.equal(start[: method._start], glob[: method._start])
+
+
+def test_every_client_needs_the_clients_on_the_server_and_no_server_optimiser(tmp_path):
+    ctx, method = opened(tmp_path, {"name": "fedala"})
+    uploads = _two_of_four_trained(ctx, method)
+    ctx.store = type("OnClients", (), {"get": lambda self, cid, r=None: {}})()
+    with pytest.raises(ConfigError, match="method.ala_clients: participants"):
+        method.aggregate(1, ctx.initial_weights, uploads)
+    with pytest.raises(ConfigError, match="remove server_optimizer"):
+        opened(tmp_path / "opt", {"name": "fedala"}, server_optimizer={"name": "avgm"})
+    opened(tmp_path / "opt2", {"name": "fedala", "ala_clients": "participants"}, server_optimizer={"name": "avgm"})
+
+
+def test_feddws_preset_learns_the_weights_on_one_pass_over_the_whole_set(tmp_path):
+    """FedDW's Updata.py L769 (``trainloader_w``: the client's whole set, shuffled, last batch kept) and L805
+    (one pass, no convergence phase)."""
+    ctx, method = opened(tmp_path, {"name": "fedala", "protocol": "feddw"})
+    p = method.params
+    assert (p.ala_clients, p.rand_percent, p.first_max_epochs, p.partial_batch) == ("participants", 100.0, 1, True)
+    cctx = ClientContext(0, 2, ctx.data.client(0), {}, {}, device_data=ctx.device_data)
+    batches = method._batches(cctx)
+    n, size = len(ctx.data.client(0)), ctx.config.train.batch_size
+    assert len(batches) == -(-n // size) and sum(len(y) for _, y in batches) == n

@@ -87,3 +87,30 @@ def test_features_are_not_reused_where_the_body_depends_on_the_batch_or_draws_no
         assert not features_reusable(SplitModel(nn.Sequential(nn.Linear(4, 3), layer), nn.Linear(3, 2), 3), plain)
     augmented = type("C", (), {"device_data": type("D", (), {"augment": lambda x: x})()})()
     assert not features_reusable(SplitModel(nn.Sequential(nn.Linear(4, 3)), nn.Linear(3, 2), 3), augmented)
+
+
+def test_released_fine_tuning_is_sgd_with_momentum_on_body_and_head_at_1e_3(tmp_path):
+    """jhoon-oh/FedBABU analysis.ipynb, cell 2: L87-91 one SGD over body and head params at args.lr (L22: 1e-3),
+    momentum 0.9 (L4), no weight decay; L93-101 personalization_epoch (L6: 5) epochs. With one full batch an
+    epoch: w1 = w0 − 1e-3·g0, w2 = w1 − 1e-3·(0.9·g0 + g1) (the momentum buffer starts at the first gradient)."""
+    ctx, method = opened(tmp_path, {"name": "fedbabu", "finetune_epochs": 2},
+                         train={"optimizer": "adam", "lr": 0.5, "weight_decay": 0.1, "batch_size": 10_000})
+    p = method.params
+    assert (p.finetune_part, p.finetune_lr, p.finetune_optimizer, p.finetune_momentum) == ("full", 0.001, "sgd", 0.9)
+    glob = ctx.initial_weights.clone()
+    personal = method.personal_model(1, 2, glob)
+    data = ctx.data.client(2)
+
+    def grad(weights):
+        ctx.layout.load(ctx.model, weights)
+        loss = torch.nn.functional.cross_entropy(ctx.model(data.x[data.indices]), data.y[data.indices])
+        return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(ctx.model.parameters()))])
+
+    g0 = grad(glob)
+    w1 = glob - 1e-3 * g0
+    g1 = grad(w1)
+    assert torch.allclose(personal, w1 - 1e-3 * (0.9 * g0 + g1), atol=1e-7)
+    # head-only with the run's optimiser stays reachable (fedguide's earlier default)
+    _, head_only = opened(tmp_path / "head", {"name": "fedbabu", "finetune_part": "head",
+                                              "finetune_optimizer": "train", "finetune_lr": None})
+    assert (head_only.params.finetune_part, head_only.params.finetune_optimizer) == ("head", "train")

@@ -1,5 +1,6 @@
-"""Per-FedAvg's meta-gradient on quadratics with a known answer (first-order and Hessian-free), and its
-one-step personalisation."""
+"""Per-FedAvg's meta-gradient on quadratics with a known answer (first-order and Hessian-free), the released
+meta step (FedDW's Updata.py L543-593: plain SGD, β 1e-3, one batch for both gradients), and its one-step
+personalisation."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,8 @@ def test_meta_gradient_on_a_quadratic(variant, expected):
 def test_fit_takes_the_meta_step_with_the_run_optimiser(tmp_path):
     # Plain SGD (no momentum, no decay) with lr β: the update is exactly −β · meta-gradient.
     train = {"momentum": 0.0, "weight_decay": 0.0, "local_steps": 1}
-    ctx, method = opened(tmp_path, {"name": "perfedavg", "beta": 0.2, "alpha": 0.05}, train=train)
+    ctx, method = opened(tmp_path, {"name": "perfedavg", "beta": 0.2, "alpha": 0.05, "beta_step": "optimizer",
+                                    "batches": "independent"}, train=train)
     start = ctx.initial_weights.clone()
     client_round(ctx, method, 0, 1, start)
     after = ctx.layout.flatten(ctx.model)
@@ -67,3 +69,47 @@ def test_personalisation_is_one_alpha_step_from_the_global_model(tmp_path):
     expected = torch.cat([(p.detach() - 0.5 * g).reshape(-1) for p, g in zip(params, grads)])
     assert torch.allclose(personal, expected, atol=1e-6)
     assert torch.equal(method.personal_model(1, 2, glob), personal)  # seeded by (seed, round, client)
+
+
+def test_the_same_batch_for_both_gradients_on_a_quadratic():
+    """Updata.py L575 and L581 take both gradients on the same ``data, label``: D = D′. w = (1, 1), α = 0.1:
+    ∇f_D(w) = (2 − 1, 1) = (1, 1), w̃ = (0.9, 0.9), ∇f_D(w̃) = (1.8 − 1, 0.9) = (0.8, 0.9); the plain step with
+    β = 1e-3 (L583-585) gives w′ = (1 − 0.0008, 1 − 0.0009) = (0.9992, 0.9991)."""
+    w = torch.tensor([1.0, 1.0], dtype=torch.float64, requires_grad=True)
+    g, _ = meta_gradient([w], quadratic(w), [0, 0], alpha=0.1, variant="fo", delta=1e-3)
+    assert torch.allclose(g[0], torch.tensor([0.8, 0.9], dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(w.detach() - 1e-3 * g[0], torch.tensor([0.9992, 0.9991], dtype=torch.float64), atol=1e-12)
+
+
+def test_fit_takes_the_released_plain_step_on_one_batch_whatever_the_runs_optimiser(tmp_path):
+    """The default (released): w ← w − 0.001 · ∇f(w − α∇f(w; D); D) per batch, one batch a step, so an epoch
+    is one pass over the client's data in ⌈n / B⌉ steps; the run's Adam (FedDW's for the other rows) is not
+    used (Updata.py L561 comments it out)."""
+    train = {"optimizer": "adam", "lr": 0.5, "weight_decay": 0.0, "epochs": 1}
+    ctx, method = opened(tmp_path, {"name": "perfedavg", "alpha": 0.05}, train=train)
+    assert (method.params.beta, method.params.beta_step, method.params.batches) == (0.001, "sgd", "same")
+    start = ctx.initial_weights.clone()
+    client_round(ctx, method, 0, 1, start)
+    after = ctx.layout.flatten(ctx.model)
+    data = ctx.data.client(0)
+    steps = -(-len(data) // ctx.config.train.batch_size)
+    # Redo every step by hand from the same client stream.
+    ctx.layout.load(ctx.model, start)
+    stream = batch_stream(data.indices, ctx.config.train.batch_size, torch_generator(ctx.config.seed, "client", 1, 0))
+    params = list(ctx.model.parameters())
+    for _ in range(steps):
+        b = next(stream)
+        g, _ = meta_gradient(params, lambda b: F.cross_entropy(ctx.model(data.x[b]), data.y[b]), [b, b], 0.05, "fo",
+                             1e-3)
+        with torch.no_grad():
+            for p, gi in zip(params, g):
+                p.sub_(0.001 * gi)
+    assert torch.allclose(after, ctx.layout.flatten(ctx.model), atol=1e-6)
+    assert steps > 1  # the step count is checked too: one step more or less would not match
+
+
+def test_feddws_preset_is_the_released_form():
+    from fedguide.methods.personalised.perfedavg import PerFedAvgParams
+    p = PerFedAvgParams(protocol="feddw", beta_step="optimizer", batches="independent")
+    assert (p.variant, p.alpha, p.beta) == ("fo", 0.01, 0.001)  # config.py alpha=1e-2, beta=1e-3
+    assert (p.beta_step, p.batches) == ("optimizer", "independent")  # options given explicitly win

@@ -3,7 +3,8 @@ Personalized Federated Learning"); released code github.com/TsingZ0/FedALA (``ut
 
 Where it is expected to lose: on the global test set. Its global accuracy (``global_eval: clients``) scores
 the clients' personalised models there, each fitted to its own label mix: on ``configs/demo.yaml`` (Dir 0.1)
-it is about 20 points below FedAvg's (seeds 0-1, benchmarks/results/method_defaults/demo.md). Compare
+it is about 20 points below FedAvg's (seeds 0-1, benchmarks/results/method_defaults/demo.md, measured with
+``ala_clients: participants``, the default then). Compare
 ``personal_accuracy`` under ``eval.mode: both``, where personalisation is meant to win.
 
 Each client keeps its local model θ_i. Before local training it initialises from the received global model Θ
@@ -17,22 +18,45 @@ the weights train until the standard deviation of the last ``num_pre_loss`` epoc
 ``threshold``; later rounds train them one epoch. The client then trains θ̂_i with the run's local loop,
 keeps the result as θ_i and uploads it; the server averages the uploads (FedAvg).
 
+Which clients (``ala_clients``): ``all`` (default), as the released server does: every round it sends the new
+global model to every client, not only the round's participants, and each one initialises its local model with
+ALA (``system/flcore/servers/serverALA.py`` L45 and L90-94, ``client.local_initialization``, then the
+evaluation of L47-50, then the training of the selected clients, L52-53). Here the server does that for every
+client when it has aggregated round r (θ_i ← θ̂_i(Θ_r), kept in the client's disk state with its W_i), and the
+round's evaluation scores those models, the released evaluation's moment; a client chosen in round r + 1
+starts from its θ̂_i without mixing again. Cost: every round runs ALA for every client, on the server, one
+after another (the first time until convergence, bounded by ``first_max_epochs``), and reads and writes every
+client's model in its disk state; it needs the clients' data and state on the server (local, pool and
+flower-sim runtimes; refused in a deployment) and no server optimiser (the next global model must be the
+aggregate ALA mixed in). ``participants``: only the round's clients initialise, in their own round (FedDW's
+code: ``main.py`` L656-659 builds ``Local_Update_by_FedALA``, whose ``train`` runs the ALA, for the
+participation list alone; fedguide's earlier behaviour).
+
 Defaults from the released code: η = 1.0, s = 80 %, threshold 0.1, num_pre_loss 10; p = 1 layer (the code's
 ``layer_idx`` 2 counts parameter tensors: the last layer's weight and bias). Decisions:
 - A layer is a module owning parameters, counted from the output (as FedPer's ``personal_layers``).
 - The s % subset is drawn at random each round from (seed, round, client) and passed over in that order every
   epoch, whole batches of ``train.batch_size`` only (the code: a contiguous slice at a random offset, loaded
-  without shuffling, ``drop_last``); a subset smaller than one batch is one batch.
+  without shuffling, ``drop_last=True`` until its commit b402ad8, ``drop_last=False`` since, ``utils/ALA.py``
+  L74); a subset smaller than one batch is one batch. ``partial_batch: true`` keeps the subset's last short
+  batch.
 - An epoch's loss is its last batch's (the code's record).
 - ``first_max_epochs`` 100 bounds the first weight training, which the code runs until convergence without
   a bound; null removes the bound.
 - Buffers (batch statistics) come from the global model; ALA weighs parameters only.
-- A client with no local model yet (its first round) starts from Θ: the code skips ALA when the local and
-  global models coincide, which they do in round 1.
-- Personalised model: the client's local model after its last training. Global accuracy
-  (``global_eval: clients``, FedDW's protocol): the mean over all clients of their local models on the global
-  test set (a client that never trained counts with the global model); ``global_eval: server`` scores the
-  server's averaged model instead.
+- A client with no local model yet holds the run's initial model (the released ``clientALA.py`` L15 and FedDW's
+  ``main.py`` L643-644 give every client a copy of it); ALA is skipped while the local model's first parameter
+  tensor equals the global model's (``utils/ALA.py`` L82), as in round 1, where the client starts from Θ.
+- Personalised model: the client's local model as it holds it after the round (``all``: after the round's
+  ALA; ``participants``: after its last training). Global accuracy (``global_eval: clients``, FedDW's
+  protocol): the mean over all clients of their local models on the global test set (a client that never
+  trained counts with the initial model, as FedDW's ``inference_by_pFL`` scores it); ``global_eval: server``
+  scores the server's averaged model instead.
+- ``protocol: feddw``: FedDW's code (``Updata.py`` L761-854): ``ala_clients: participants``; the weights learn
+  one pass, every time, over the client's whole training set shuffled (``trainloader_w``, L769, and the
+  single loop of L805: ``rand_percent`` 80 is set, L771, but unused): ``rand_percent: 100``,
+  ``first_max_epochs: 1``, ``partial_batch: true``; η 1.0 and ``layer_idx`` 2 as here; ``global_eval:
+  clients`` (``main.py`` L677).
 """
 from __future__ import annotations
 
@@ -41,17 +65,28 @@ from typing import Iterable, Literal, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fedguide.core.device import to_device
 from fedguide.core.seeding import torch_generator
+from fedguide.core.state import ClientStateStore
 from fedguide.methods._personalise import batch_at, mean_client_metrics, top_layers_start
 from fedguide.methods.base import METHODS, ClientContext, Method
+from fedguide.methods.personalised._protocol import Protocol, apply_protocol, protocol_field
+from fedguide.methods.server_optimizers import ServerOptimizer
+from fedguide.registry import ConfigError
 
 ALA_TAG = 41  # the ALA subset's random stream, apart from the client's batch order
+PRESETS = {"feddw": {"ala_clients": "participants", "rand_percent": 100.0, "first_max_epochs": 1,
+                     "partial_batch": True, "eta": 1.0, "layers": 1, "global_eval": "clients"}}
 
 
 class FedALAParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    protocol: Protocol = protocol_field()
+    ala_clients: Literal["all", "participants"] = Field(
+        "all", description="all: every client initialises with ALA every round (released server); participants: "
+                           "only the round's clients (FedDW's code)")
     eta: float = Field(1.0, gt=0.0, description="η: learning rate of the aggregation weights")
     rand_percent: float = Field(80.0, gt=0.0, le=100.0, description="s: percent of the local data the weights learn on")
     layers: int = Field(1, ge=1, description="p: top layers whose aggregation is learned (the lower ones take the "
@@ -61,8 +96,14 @@ class FedALAParams(BaseModel):
     num_pre_loss: int = Field(10, ge=2, description="epoch losses the convergence test looks at")
     first_max_epochs: Optional[int] = Field(100, ge=1, description="bound on the first weight training's epochs; "
                                                                    "null = until convergence")
+    partial_batch: bool = Field(False, description="the weights also learn on the subset's last short batch")
     global_eval: Literal["clients", "server"] = Field(
         "clients", description="global accuracy: mean of all clients' local models, or the server's averaged model")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _protocol(cls, data):
+        return apply_protocol(data, PRESETS)
 
 
 def ala_update(grads: list[torch.Tensor], local: list[torch.Tensor], glob: list[torch.Tensor],
@@ -112,12 +153,20 @@ class FedALA(Method):
         names = dict(run.model.named_parameters())
         # The top layers' parameters in flat-vector order, with their ranges.
         self._top: list[tuple[str, slice]] = []
+        self._first: Optional[slice] = None  # the first parameter tensor: equal in both models, ALA is skipped
         offset = 0
         for name, shape in zip(run.layout.names, run.layout.shapes):
             n = int(torch.Size(shape).numel())
+            if name in names and self._first is None:
+                self._first = slice(offset, offset + n)
             if offset >= self._start and name in names:
                 self._top.append((name, slice(offset, offset + n)))
             offset += n
+        stepping = self.server_optimizer is not None and type(self.server_optimizer) is not ServerOptimizer
+        if self.params.ala_clients == "all" and stepping:
+            raise ConfigError("method.ala_clients: all mixes every client's model with the round's aggregate, which "
+                              "a server optimiser replaces by its own step; remove server_optimizer or write "
+                              "method.ala_clients: participants")
 
     def _batches(self, ctx: ClientContext) -> list:
         n = len(ctx.data)
@@ -125,17 +174,19 @@ class FedALA(Method):
         gen = torch_generator(self.run.seed, "client", ctx.round, ctx.client_id, ALA_TAG)
         subset = ctx.data.indices[torch.randperm(n, generator=gen)[:m]]
         size = self.run.train.batch_size
-        whole = [subset[s: s + size] for s in range(0, m - size + 1, size)] or [subset]
+        last = m if self.params.partial_batch else m - size + 1
+        whole = [subset[s: s + size] for s in range(0, last, size)] or [subset]
         return [batch_at(ctx, b) for b in whole]
 
-    def client_start(self, ctx):
-        glob, local = ctx.payload["weights"], ctx.state.get("weights")
-        if local is None:
-            return glob
+    def _ala(self, ctx: ClientContext, glob: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """θ̂: ``local`` mixed into the global model ``glob`` by weights learned on the client's data (ALA), the
+        weights kept in ``ctx.state``; ``glob`` itself while the two models' first parameters agree."""
         model = self.run.model
         self.run.layout.load(model, glob)  # the lower layers and every buffer take Θ
         named = dict(model.named_parameters())
         params = [named[name] for name, _ in self._top]
+        if torch.equal(local[self._first], glob[self._first]):
+            return glob
         tl = [local[s].view_as(p) for (_, s), p in zip(self._top, params)]
         tg = [glob[s].view_as(p) for (_, s), p in zip(self._top, params)]
         first = "ala_weights" not in ctx.state
@@ -164,14 +215,45 @@ class FedALA(Method):
         ctx.update_state(ala_weights=packed)
         return mixed
 
+    def _local(self, state: dict) -> torch.Tensor:
+        local = state.get("weights")
+        return self.run.initial_weights if local is None else local.to(self.run.device)
+
+    def client_start(self, ctx):
+        glob = ctx.payload["weights"]
+        if ctx.state.get("ala_round") == ctx.round - 1:  # mixed with this very model by the server (all)
+            return ctx.state["weights"]
+        return self._ala(ctx, glob, self._local(ctx.state))
+
     def client_upload(self, model, ctx, state):
         upload = super().client_upload(model, ctx, state)
         ctx.update_state(weights=upload["weights"])
         return upload
 
+    def aggregate(self, round_, global_weights, uploads):
+        new = super().aggregate(round_, global_weights, uploads)
+        if self.params.ala_clients == "all":
+            self._initialise_every_client(round_, new)
+        return new
+
+    def _initialise_every_client(self, round_: int, glob: torch.Tensor) -> None:
+        """Every client's θ̂ with the round's aggregate, as the next round's start and this round's scored model;
+        the draws are those the client would make in round + 1, and the process's random state is kept."""
+        run = self.run
+        if not isinstance(run.store, ClientStateStore):
+            raise ConfigError("method.ala_clients: all initialises every client's model on the server, which in a "
+                              "deployment has neither their data nor their state; write method.ala_clients: "
+                              "participants")
+        with torch.random.fork_rng(devices=[]):
+            for cid in range(run.num_clients):
+                state = to_device(run.store.get(cid, round_), run.device)
+                ctx = ClientContext(cid, round_ + 1, run.data.client(cid), {}, state, device_data=run.device_data)
+                state["weights"] = self._ala(ctx, glob, self._local(state))
+                state["ala_round"] = round_
+                run.store.put(cid, round_, state)
+
     def personal_model(self, round_, client_id, global_weights):
-        local = self.run.store.get(client_id, round_).get("weights")
-        return global_weights if local is None else local.to(self.run.device)
+        return self._local(self.run.store.get(client_id, round_))
 
     def evaluate(self, round_, global_weights):
         if self.params.global_eval == "server":

@@ -12,16 +12,29 @@ D″) of the client's data and
 The server averages the clients' w (FedAvg). Personalisation (the paper's evaluation): each client adapts the
 global model with ``personal_steps`` step(s) of gradient descent of size α on its own training data.
 
-Defaults and decisions:
-- α = 0.01 and δ = 0.001 are chosen here (the paper sets them per experiment).
-- β: the meta-gradient is applied by the ``train`` section's optimiser with learning rate β (``beta``, null =
-  ``train.lr``), so the run's shared optimiser settings hold (FedDW runs every method with Adam); the paper's
-  plain step w ← w − β·(meta-gradient) is ``train.optimizer: sgd, train.momentum: 0, train.weight_decay: 0``.
-- Local steps per round: ``train.local_steps`` when set, else ``train.epochs`` × ⌈n / (k·B)⌉ with k = 2 (fo)
-  or 3 (hf) batches a step, so an epoch draws about as many samples as one pass over the data. The batches
-  come one after another from shuffled passes over the client's data (a pass's last batch is short).
+Defaults and decisions (the FedDW authors' released code, github.com/liuvvvvv1/FedDW, ran Per-FedAvg (FO)
+for FedDW's Table I: ``Updata.py`` L543-593, ``config.py`` ``alpha=1e-2, beta=1e-3``; Fallah et al. released
+none):
+- α = 0.01 (FedDW's ``config.py``) and δ = 0.001 (chosen here; the paper sets both per experiment).
+- ``beta_step: sgd`` (default): the meta step is the plain step w ← w − β·(meta-gradient) of Algorithm 1, as the
+  released code takes it (``Updata.py`` L583-585, ``param.data.sub_(beta * grad)``, no optimiser: L561 comments
+  Adam out), β = ``beta`` 0.001 (``config.py``); the run's optimiser settings (FedDW runs the other methods
+  with Adam) do not touch it. ``beta_step: optimizer``: the ``train`` section's optimiser with learning rate β
+  (null = ``train.lr``) applies the meta-gradient (fedguide's earlier default).
+- ``batches: same`` (default): D = D′ (= D″), one batch a step, as the released code computes both gradients on
+  the same ``data, label`` (``Updata.py`` L575 and L581); ``batches: independent``: the paper's Algorithm 1,
+  fresh batches for D, D′ (and D″).
+- Local steps per round: ``train.local_steps`` when set, else ``train.epochs`` × ⌈n / (k·B)⌉ with k batches a
+  step (1 with ``batches: same``, as the released code steps once per batch of each epoch; 2 for fo, 3 for hf
+  with ``independent``), so an epoch draws about as many samples as one pass over the data. The batches come
+  one after another from shuffled passes over the client's data (a pass's last batch is short).
+- The released code takes its gradients on a copy of the model (``copy.deepcopy``, L574), so the model's own
+  BatchNorm statistics never update there; here the passes run on the model and update them.
 - The reported training loss is f_i(w; D), the loss of the first batch of each step before adaptation.
-- Global accuracy (FedDW's protocol, the server's model): the meta-model w on the global test set, unadapted.
+- Global accuracy (FedDW's protocol, the server's model, ``main.py`` L633): the meta-model w on the global test
+  set, unadapted.
+- ``protocol: feddw`` sets the released form explicitly: fo, α 0.01, β 0.001, ``beta_step: sgd``,
+  ``batches: same`` (the defaults; the preset keeps a run on them if the defaults move).
 """
 from __future__ import annotations
 
@@ -29,26 +42,41 @@ import math
 from typing import Callable, Literal, Optional, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fedguide.core import simulated
 from fedguide.core.seeding import torch_generator
 from fedguide.core.training import has_batchnorm, make_optimizer
 from fedguide.methods._personalise import batch_at, batch_stream
 from fedguide.methods.base import METHODS, ClientContext, Method
+from fedguide.methods.personalised._protocol import Protocol, apply_protocol, protocol_field
 
 Loss = Callable[[object], torch.Tensor]  # batch -> scalar loss at the parameters' current values
 
 
+PRESETS = {"feddw": {"variant": "fo", "alpha": 0.01, "beta": 0.001, "beta_step": "sgd", "batches": "same"}}
+
+
 class PerFedAvgParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    protocol: Protocol = protocol_field()
     variant: Literal["fo", "hf"] = Field("fo", description="fo: first-order; hf: Hessian-free (finite-difference "
                                                            "Hessian-vector product)")
     alpha: float = Field(0.01, gt=0.0, description="α: step size of the one-step adaptation (training and "
                                                    "personalisation)")
-    beta: Optional[float] = Field(None, gt=0.0, description="β: learning rate of the meta step; null = train.lr")
+    beta: Optional[float] = Field(0.001, gt=0.0, description="β: learning rate of the meta step; null = train.lr")
+    beta_step: Literal["sgd", "optimizer"] = Field(
+        "sgd", description="sgd: w ← w − β·meta-gradient (Algorithm 1, released code); optimizer: the train "
+                           "section's optimiser at learning rate β")
+    batches: Literal["same", "independent"] = Field(
+        "same", description="same: one batch for D and D′ (released code); independent: fresh batches (Algorithm 1)")
     delta: float = Field(0.001, gt=0.0, description="δ: finite-difference step of the hf variant")
     personal_steps: int = Field(1, ge=1, description="personalisation: gradient steps of size α from the global model")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _protocol(cls, data):
+        return apply_protocol(data, PRESETS)
 
 
 def meta_gradient(params: Sequence[torch.Tensor], loss: Loss, batches: Sequence, alpha: float, variant: str,
@@ -87,9 +115,11 @@ class PerFedAvg(Method):
 
     def fit(self, model, ctx, train):
         p = self.params
-        per_step = 2 if p.variant == "fo" else 3
-        steps = train.local_steps or train.epochs * max(1, math.ceil(len(ctx.data) / (per_step * train.batch_size)))
-        optimizer = make_optimizer(model, train.model_copy(update={"lr": p.beta or train.lr}))
+        per_step = 2 if p.variant == "fo" else 3  # D, D′ (and D″)
+        drawn = 1 if p.batches == "same" else per_step
+        steps = train.local_steps or train.epochs * max(1, math.ceil(len(ctx.data) / (drawn * train.batch_size)))
+        beta = p.beta or train.lr
+        optimizer = make_optimizer(model, train.model_copy(update={"lr": beta})) if p.beta_step == "optimizer" else None
         params = [q for q in model.parameters() if q.requires_grad]
         stream = batch_stream(ctx.data.indices, train.batch_size, ctx.generator, 2 if has_batchnorm(model) else 1)
         model.train()
@@ -101,11 +131,16 @@ class PerFedAvg(Method):
         total = torch.zeros((), device=ctx.device)  # summed on the device: no host read per step
         for _ in range(steps):
             with simulated.step():
-                meta, f_w = meta_gradient(params, loss, [next(stream) for _ in range(per_step)], p.alpha, p.variant,
-                                          p.delta)
-                for q, g in zip(params, meta):
-                    q.grad = g
-                optimizer.step()
+                batches = [next(stream)] * per_step if p.batches == "same" else [next(stream) for _ in range(per_step)]
+                meta, f_w = meta_gradient(params, loss, batches, p.alpha, p.variant, p.delta)
+                if optimizer is None:
+                    with torch.no_grad():
+                        for q, g in zip(params, meta):
+                            q.sub_(beta * g)
+                else:
+                    for q, g in zip(params, meta):
+                        q.grad = g
+                    optimizer.step()
                 total += f_w.float()
         if not torch.isfinite(total):
             raise FloatingPointError(f"client {ctx.client_id} diverged in round {ctx.round} (loss is {float(total)}); "
