@@ -13,7 +13,7 @@ in the client's disk state and is not part of any upload.
 
 Defaults and decisions:
 - ``head_epochs`` 10: every released script runs ``local_ep − local_rep_ep`` = 10 head epochs
-  (``scripts/FedRep_cifar10_2shards.sh`` L5: ``--local_ep 11 --local_rep_ep 1``; the other six scripts
+  (``lgcollins/FedRep/scripts/FedRep_cifar10_2shards.sh`` L5: ``--local_ep 11 --local_rep_ep 1``; the other six scripts
   ``--local_ep 15 --local_rep_ep 5``), as ``Update.py`` L593 (``head_eps = local_eps − local_rep_ep``) counts
   them; the representation then trains 1 epoch (CIFAR-10, 2 shards) or 5 (the others).
 - ``body_epochs`` null = the run's ``train.epochs`` (``train.local_steps`` steps when set), so FedRep's
