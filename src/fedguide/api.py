@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import json
 import time
 import warnings
@@ -137,6 +138,14 @@ def _execute(prepared: Any, folder: Any, resume: bool, observer: Observer, hint:
         raise Interrupted(hint or folder.continue_hint()) from None
     except WorkerCrashed as err:
         raise WorkerCrashed(f"{err}\n{hint or folder.continue_hint()}") from None
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        # Every write is atomic and client state is committed after the round's checkpoint, so the folder
+        # holds the run up to its last checkpoint whatever write the disk refused.
+        raise ConfigError(f"could not write {err.filename or folder.path} ({err.strerror}). Nothing is lost: the run "
+                          "folder holds every round up to its last checkpoint. Free some space, then "
+                          f"{hint or folder.continue_hint()}") from None
 
 
 def _grid(axes: Union[Mapping[str, Any], Sequence[str], str]) -> list[Any]:
@@ -174,7 +183,8 @@ def run(config: ConfigLike, overrides: Optional[Overrides] = None, out: Union[st
     return its record. Its lines go to ``observer`` (default: printed; ``log``: to that function instead;
     ``quiet``: nowhere). Ctrl-C raises ``Interrupted``, whose ``hint`` says how to continue."""
     from fedguide.fl.preflight import check, refuse_runtime
-    from fedguide.fl.run_folder import RunFolder
+    from fedguide.fl.run_folder import HoldsRun, RunFolder
+    from fedguide.fl.run_lock import RunFolderBusy
 
     raw, stem = _raw(config)
     # The method is built by the run itself, before anything is written.
@@ -187,16 +197,23 @@ def run(config: ConfigLike, overrides: Optional[Overrides] = None, out: Union[st
     say = _observer(quiet, log, observer)
     say.log(f"{cfg.method.name} on {cfg.data.name}, {cfg.partition.name}, {prepared.data.num_clients} clients, "
             f"seed {cfg.seed} -> {folder.path}")
-    summary = _execute(prepared, folder, False, say)
+    try:
+        summary = _execute(prepared, folder, False, say)
+    except ConfigError as err:
+        if not isinstance(err, (RunFolderBusy, HoldsRun)):  # refused before a round ended: the corrected
+            folder.forget_refused()  # command may use the same --out
+        raise
     say.log(final_line(summary, folder.path))
     return load_run(folder.path)
 
 
 def resume(run_dir: Union[str, Path], *, device: Optional[str] = None, quiet: bool = False,
-           log: Optional[Callable[[str], None]] = None, observer: Optional[Observer] = None) -> RunRecord:
+           log: Optional[Callable[[str], None]] = None, observer: Optional[Observer] = None,
+           rebuild: bool = False) -> RunRecord:
     """Continue an interrupted run from its last checkpoint (a finished one is returned as it is).
     ``device``: continue on this device instead of the run's ``train.device`` (where a run computes is not
-    part of what it is)."""
+    part of what it is). ``rebuild``: recompute cached guidance features and fitted bases instead of reusing
+    them (``guidance.rebuild``, not pinned: the hint a damaged cache gives works for a resume too)."""
     from fedguide.fl.preflight import check
     from fedguide.fl.run_folder import RunFolder
 
@@ -204,7 +221,10 @@ def resume(run_dir: Union[str, Path], *, device: Optional[str] = None, quiet: bo
     cfg = folder.read_config()
     if device is not None:
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"device": device})})
+    if rebuild:
+        cfg = cfg.model_copy(update={"guidance": cfg.guidance.model_copy(update={"rebuild": True})})
     say = _observer(quiet, log, observer)
+    folder.check_unedited(cfg)  # before "already complete": an edit of a finished run is refused, not kept
     if folder.finished(cfg.train.rounds):
         say.log(f"{folder.path} is already complete (summary.json exists); nothing to resume")
         return load_run(folder.path)
@@ -237,6 +257,9 @@ def sweep(config: ConfigLike, axes: Union[Mapping[str, Any], Sequence[str]], ove
         head = f"[{i}/{len(runs)}] {r.combination.label}"
         if r.state in ("finished", "stopped"):
             say.log(f"{head}: {'finished' if r.state == 'finished' else 'diverged'} before, skipped -> {r.run_dir}")
+            if r.state == "stopped":  # still a diverged run of the sweep: said as when it diverged
+                warnings.warn(f"{r.combination.label}: diverged before (stopped.json in {r.run_dir}); run that "
+                              "combination with other settings into a new --out", RuntimeWarning, stacklevel=2)
             continue
         folder = RunFolder(r.run_dir)
         folder.check_writable()

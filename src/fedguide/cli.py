@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import shlex
 import signal
 import sys
 import warnings
@@ -94,7 +96,7 @@ def cmd_resume(args) -> int:
     import fedguide.api as api
 
     console = _console()
-    _interruptible(console, lambda: api.resume(args.run_dir, device=args.device,
+    _interruptible(console, lambda: api.resume(args.run_dir, device=args.device, rebuild=args.rebuild,
                                                observer=_observer(console, args.quiet)))
     return 0
 
@@ -248,6 +250,9 @@ def _add_run(sub) -> None:
     res.add_argument("run_dir", type=Path)
     res.add_argument("--device", default=None, metavar="D",
                      help="continue on device D (auto, cpu, cuda, cuda:N) instead of the run's train.device")
+    res.add_argument("--rebuild", action="store_true",
+                     help="recompute cached guidance features and fitted bases instead of reusing them (what a "
+                          "damaged cache's error asks for; not part of the run's pinned settings)")
     res.add_argument("--quiet", action="store_true")
     res.set_defaults(func=cmd_resume)
 
@@ -399,12 +404,21 @@ def _pretrain_guidance(args) -> int:
     require_extras(("guidance",), "fedguide pretrain-guidance")
     from fedguide.guidance.embedded.pretrain.run import run_from_cli
 
-    return run_from_cli(args)
+    try:
+        return run_from_cli(args)
+    except KeyboardInterrupt:
+        # The stages it finished (and its last UNet checkpoint) stay in the partial folder: the same command
+        # continues from them.
+        partial = args.out.resolve().parent / f".{args.out.resolve().name}.partial"
+        kept = f"finished stages are kept in {partial}; " if partial.is_dir() else ""
+        print(f"interrupted; {kept}continue with: fedguide {shlex.join(args.argv)}", file=sys.stderr)
+        raise SystemExit(130)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as typed, for a continue hint
     # Overrides may follow options ('run CFG --dry-run method.name=fedprox'); argparse leaves those
     # as unknown arguments, so they are taken here.
     if extra:
@@ -420,8 +434,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     except OSError as err:  # a path that cannot be read or written: the path and the reason, no traceback
         where = f" ({err.filename})" if err.filename else ""
-        print(f"error: {err.strerror or err}{where}; check that the path exists and that you may write there",
-              file=sys.stderr)
+        fix = ("free some space there and run the command again" if err.errno in (errno.ENOSPC, errno.EDQUOT)
+               else "check that the path exists and that you may write there")
+        print(f"error: {err.strerror or err}{where}; {fix}", file=sys.stderr)
         return 2
 
 

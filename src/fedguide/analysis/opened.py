@@ -8,14 +8,12 @@ from the feature cache, and recomputes only what the cache no longer holds.
 """
 from __future__ import annotations
 
-import json
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint
 from fedguide.fl.run_folder import RunFolder
@@ -33,7 +31,8 @@ class AnalysisRun:
         run_dir = Path(run_dir)
         if not run_dir.is_dir():
             raise ConfigError(f"{run_dir} is not a folder; pass the run folder that 'fedguide run' created")
-        self.config = RunFolder(run_dir).read_config()  # a sentence when there is no config.yaml
+        folder = RunFolder(run_dir)
+        self.config = folder.read_config()  # a sentence when there is no config.yaml, or a damaged one
         missing = [name for name in ("summary.json", "model.safetensors") if not (run_dir / name).is_file()]
         if missing:
             why = ("it stopped before its last round (stopped.json)" if (run_dir / "stopped.json").is_file()
@@ -42,9 +41,9 @@ class AnalysisRun:
                               "and analyze it then")
         self.run_dir = run_dir
         self.out_dir = run_dir / OUT_FOLDER
-        self.summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
-        partition = run_dir / "partition.json"
-        self.partition: dict[str, Any] = json.loads(partition.read_text()) if partition.is_file() else {}
+        self.summary: dict[str, Any] = folder.read_summary() or {}  # JSON errors name the file
+        self.partition: dict[str, Any] = folder.read_partition() or {}
+        self._folder = folder
         self._method_ready = False
 
     # ---- what the config rebuilds -----------------------------------------------------------------
@@ -61,7 +60,7 @@ class AnalysisRun:
     @cached_property
     def _opened(self) -> tuple[RunContext, Method]:
         ctx, method = open_run(self.prepared, self.run_dir)
-        state = load_file(str(self.run_dir / "model.safetensors"))
+        state = self._folder.read_model()  # verified: a damaged model is refused, never drawn from
         try:
             ctx.model.load_state_dict(state)
         except RuntimeError as err:

@@ -4,8 +4,10 @@ A crash mid-write leaves the previous version intact, never a truncated file.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -33,7 +35,13 @@ def write_atomic(path: Path, writer: Callable[[str], None]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
     os.close(fd)
     try:
-        writer(tmp)
+        try:
+            writer(tmp)
+        except Exception as err:  # noqa: BLE001 — only a disk's error is translated, the rest re-raised
+            failed = _disk_error(err)
+            if failed is None:
+                raise
+            raise OSError(failed, os.strerror(failed), str(path)) from None
         # mkstemp makes the file 0600 (and some writers, safetensors' among them, create the file anew): a run
         # folder is shared like any other output, so the user's umask decides, whoever wrote the bytes.
         os.chmod(tmp, 0o666 & ~_umask())
@@ -44,6 +52,19 @@ def write_atomic(path: Path, writer: Callable[[str], None]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _disk_error(err: Exception) -> int | None:
+    """The errno of a write the disk refused (full, over quota, too large), also when the writer (safetensors)
+    reports it as its own error type; None for any other error."""
+    if isinstance(err, OSError):
+        number = err.errno
+    elif type(err).__name__ == "SafetensorError":
+        found = re.search(r"os error (\d+)", str(err))
+        number = int(found.group(1)) if found else None
+    else:
+        return None
+    return number if number in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO) else None
 
 
 def remove_stale_temporaries(folder: Path) -> None:

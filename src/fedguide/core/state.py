@@ -3,21 +3,35 @@
 Writes made during round r go to ``pending-<r>/`` and become visible only when the engine commits
 round r, after the round's checkpoint is safely on disk. A run killed mid-round therefore resumes
 with every client's state exactly as it was at the last checkpoint.
+
+A client's state is one sealed safetensors file (``core/sealed.py``): its tensors, and its other values as
+JSON metadata, both under digests verified on every read. A flipped byte or a truncated file stops the run
+naming the client and the file (it once loaded silently, and the divergence that followed blamed the
+learning rate). State written before it was sealed (``tensors.safetensors`` beside a ``scalars.json``) is
+read unverified with a warning, once per folder, and written sealed at the client's next round.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from fedguide.core.atomic import write_atomic, write_text
+from fedguide.core.sealed import Unverified, load_sealed, save_sealed
+from fedguide.registry import ConfigError
 
 State = dict[str, Any]  # tensors and JSON-able scalars
+TENSORS = "tensors.safetensors"
+LEGACY_SCALARS = "scalars.json"  # beside the tensors, before state files were sealed
+KEYS = frozenset({"scalars"})
+
+
+class DamagedState(ConfigError):
+    """A client's state file cannot be trusted."""
 
 
 class ClientStateStore:
@@ -26,6 +40,7 @@ class ClientStateStore:
         # refused before its first round) leaves none behind.
         self.root = Path(root)
         self.committed = self.root / "committed"
+        self._warned_legacy = False
 
     def _pending(self, round_: int) -> Path:
         return self.root / f"pending-{round_}"
@@ -47,16 +62,36 @@ class ClientStateStore:
         tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()
                    if isinstance(v, torch.Tensor)}
         scalars = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
-        write_atomic(folder / "tensors.safetensors", lambda tmp: save_file(tensors, tmp))
-        write_text(folder / "scalars.json", json.dumps(scalars))
+        save_sealed(folder / TENSORS, tensors, {"scalars": json.dumps(scalars)})
 
-    @staticmethod
-    def _read(folder: Path) -> State | None:
-        if not (folder / "scalars.json").is_file():
+    def _read(self, folder: Path) -> State | None:
+        path = folder / TENSORS
+        if not path.is_file():
             return None
-        state: State = json.loads((folder / "scalars.json").read_text())
-        state.update(load_file(folder / "tensors.safetensors"))
+        legacy = (folder / LEGACY_SCALARS).is_file()
+        try:
+            opened = load_sealed(path, KEYS, (lambda meta: not meta) if legacy else None)
+            state: State = json.loads((folder / LEGACY_SCALARS).read_text() if opened.legacy
+                                      else opened.metadata["scalars"])
+            if not isinstance(state, dict):
+                raise Unverified(f"its scalars are a {type(state).__name__}, not a mapping")
+        except Unverified as err:
+            raise self._damaged(path, err.reason) from None
+        except (OSError, ValueError, KeyError) as err:
+            raise self._damaged(path, f"it cannot be read ({type(err).__name__}: {err})") from None
+        if opened.legacy and not self._warned_legacy:
+            self._warned_legacy = True
+            print(f"warning: client state under {self.root} was written before state files were sealed; it is "
+                  "read unverified and written sealed at each client's next round", file=sys.stderr)
+        state.update(opened.tensors)
         return state
+
+    def _damaged(self, path: Path, why: str) -> DamagedState:
+        run = self.root.parent
+        return DamagedState(
+            f"damaged client state: {path} (client {path.parent.name}): {why}. The run cannot continue with it. "
+            f"Restore the file from a backup, or start the run again: fedguide run {run / 'config.yaml'} "
+            "--out NEW_FOLDER")
 
     def commit(self, round_: int) -> None:
         pending = self._pending(round_)

@@ -21,6 +21,7 @@ import copy
 import json
 import platform
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import yaml
 
 import fedguide
 from fedguide.config import Config, build_config, config_differences, flat_keys, to_yaml
-from fedguide.core.atomic import remove_stale_temporaries, write_atomic, write_json, write_jsonl, write_text
+from fedguide.core.atomic import remove_stale_temporaries, write_json, write_jsonl, write_text
 from fedguide.fl.run_lock import RunLock
 from fedguide.registry import ConfigError
 
@@ -78,6 +79,10 @@ def unpinned_defaults(pinned: dict[str, Any], now: dict[str, Any]) -> dict[str, 
     return out
 
 
+class HoldsRun(ConfigError):
+    """A new run was asked for in a folder that holds one."""
+
+
 @dataclass(frozen=True)
 class SettingsComparison:
     """A folder's pinned settings (``held``) against the ones asked for now (``wanted``)."""
@@ -113,11 +118,30 @@ def git_commit() -> Optional[str]:
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+RESTORE = "restore the file the run wrote (from a backup, or undo the edit)"
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); {RESTORE}") from None
+
+
+def _read_yaml(path: Path) -> Any:
+    """A YAML file's content; a file that is not YAML (or not text) is one line naming the place, not the
+    parser's multi-line dump."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not text (byte {err.start} is not UTF-8); {RESTORE}") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = ": ".join(str(part) for part in (err.context, err.problem) if part)
+        raise ConfigError(f"{where}: not valid YAML ({what}); {RESTORE}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())}); {RESTORE}") from None
 
 
 class RunFolder:
@@ -146,10 +170,13 @@ class RunFolder:
         if not path.is_file():
             raise ConfigError(f"{self.path} is not a fedguide run directory (no {CONFIG_FILE}); "
                               "pass the folder a 'fedguide run' created")
+        raw = _read_yaml(path)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of settings, found {type(raw).__name__}; {RESTORE}")
         try:
-            return build_config(yaml.safe_load(path.read_text()) or {})
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path} is not valid YAML ({err}); restore the file the run wrote") from None
+            return build_config(raw)
+        except ConfigError as err:
+            raise ConfigError(f"{path} does not hold a valid config ({err}); {RESTORE}") from None
 
     def read_summary(self) -> Optional[dict[str, Any]]:
         """summary.json (None before the last round is done)."""
@@ -181,12 +208,44 @@ class RunFolder:
         if not path.is_file():
             return {}
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as err:
-            raise ValueError(f"{path}: not valid YAML ({err})") from None
+            loaded = _read_yaml(path)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a YAML mapping, got {type(loaded).__name__}")
         return loaded or {}
+
+    def read_run_config(self, warnings: Optional[list[str]] = None) -> dict[str, Any]:
+        """The run's settings as a report shows them: config.yaml, except that a pinned setting edited since the
+        run wrote it is shown as the checkpoint pins it (what the run computed with), and ``warnings`` says so.
+        A checkpoint whose metadata cannot be trusted is said in ``warnings`` and config.yaml shown as it is."""
+        from fedguide.fl.checkpoint import read_pinned_config
+
+        raw = self.read_config_mapping()
+        try:
+            pinned = read_pinned_config(self.checkpoints)
+        except ConfigError as err:
+            if warnings is not None:
+                warnings.append(f"the settings shown are config.yaml's, not checked against the checkpoint: {err}")
+            return raw
+        if pinned is None:
+            return raw
+        written = flat_keys(raw)
+        edited = {key: value for key, value in flat_keys(pinned).items() if key in written and written[key] != value}
+        if not edited:
+            return raw
+        out = copy.deepcopy(raw)
+        for key, value in edited.items():
+            *parents, last = key.split(".")
+            node = out
+            for part in parents:
+                node = node[part]
+            node[last] = value
+        if warnings is not None:
+            changes = "; ".join(f"{k}: {written[k]!r} ({CONFIG_FILE}) vs {v!r} (checkpoint)" for k, v in edited.items())
+            warnings.append(f"{self.path / CONFIG_FILE} was edited since the run wrote it ({changes}); the report "
+                            "shows the settings the run was made with, pinned by its checkpoint")
+        return out
 
     def read_metrics(self, running: bool = False, warnings: Optional[list[str]] = None) -> list[dict[str, Any]]:
         """The committed rounds. ``running``: the run may be writing its last line now, so a last line that is
@@ -251,10 +310,34 @@ class RunFolder:
         return self.state(cfg.train.rounds)
 
     # ---- checks before a run ---------------------------------------------------------------------
+    def rounds_kept(self) -> bool:
+        """Whether a run here finished a round (a checkpoint, a metrics line, a summary or a stop record)."""
+        return ((self.checkpoints / "last.safetensors").is_file()
+                or any((self.path / name).is_file() for name in (METRICS_FILE, SUMMARY_FILE, STOPPED_FILE)))
+
     def check_fresh(self) -> None:
         if self.holds_run():
-            raise ConfigError(f"{self.path} already holds a run; continue it with 'fedguide resume {self.path}' "
+            raise HoldsRun(f"{self.path} already holds a run; continue it with 'fedguide resume {self.path}' "
                               "or choose another --out")
+
+    def forget_refused(self) -> None:
+        """After a new run here was refused before it finished a round (a setting its first round turned down):
+        remove what it wrote, its uncommitted client state first (a new run's first round would read it as its
+        own), so the corrected command may use the same folder. Under the lock: a folder another process holds
+        now is left as it is."""
+        import shutil
+
+        try:
+            with self.lock():
+                if self.rounds_kept():
+                    return
+                for store in ("client_state", "server_state"):
+                    for pending in (self.path / store).glob("pending-*"):
+                        shutil.rmtree(pending)
+                for name in (CONFIG_FILE, PARTITION_FILE):
+                    (self.path / name).unlink(missing_ok=True)
+        except ConfigError:  # busy: not ours to clear
+            pass
 
     def check_writable(self) -> None:
         """The folder exists (made here) and takes files, or a sentence says why not."""
@@ -267,22 +350,13 @@ class RunFolder:
                               f"({err.filename or self.path}); choose another --out, a folder you can write to") \
                 from None
 
-    def resume_notes(self, pinned_checkpoint: Optional[dict[str, Any]], cfg: Config, notes: dict[str, Any],
-                     log: Callable[[str], None]) -> dict[str, Any]:
-        """Refuse a resume whose config.yaml no longer describes the checkpointed run; the run's notes, with
-        ``rounds_raised_from`` when train.rounds was raised (the one change allowed)."""
-        notes = dict(notes)
-        if pinned_checkpoint is None:  # a checkpoint written before configs were pinned
-            return notes
+    def check_pinned(self, pinned_checkpoint: Optional[dict[str, Any]], cfg: Config) -> SettingsComparison:
+        """Refuse a ``cfg`` (the folder's config.yaml) that no longer describes the checkpointed run: every pinned
+        key must agree, and train.rounds may only be raised."""
         comparison = compare_pinned(pinned_checkpoint, pinned_config(cfg), ("checkpoint", CONFIG_FILE))
         old, new = comparison.held_rounds, comparison.wanted_rounds
-        if comparison.same and new > old:
-            log(f"train.rounds raised from {old} to {new}: the run continues to round {new}")
-            notes.setdefault("rounds_raised_from", old)
-            self._record_rounds(new)
-            return notes
-        if comparison.same and new == old:
-            return notes
+        if comparison.same and new >= old:
+            return comparison
         if comparison.same:
             rule, diff = "train.rounds may only be raised", [f"train.rounds: {old!r} (checkpoint) vs {new!r} ({CONFIG_FILE})"]
         else:
@@ -291,6 +365,30 @@ class RunFolder:
         raise ConfigError(f"{self.path / CONFIG_FILE} was edited since the run started ({rule}):\n  "
                           + "\n  ".join(diff) + "\nundo the edit to resume, or start a new run: fedguide run "
                           f"{self.path / CONFIG_FILE} --out NEW_FOLDER")
+
+    def check_unedited(self, cfg: Config) -> None:
+        """``check_pinned`` against the folder's checkpoint, read without its tensors (a finished run is checked
+        too: a lowered train.rounds would otherwise leave a config.yaml that no longer describes it)."""
+        from fedguide.fl.checkpoint import read_pinned_config
+
+        pinned = read_pinned_config(self.checkpoints)
+        if pinned is not None:
+            self.check_pinned(pinned, cfg)
+
+    def resume_notes(self, pinned_checkpoint: Optional[dict[str, Any]], cfg: Config, notes: dict[str, Any],
+                     log: Callable[[str], None]) -> dict[str, Any]:
+        """Refuse a resume whose config.yaml no longer describes the checkpointed run; the run's notes, with
+        ``rounds_raised_from`` when train.rounds was raised (the one change allowed)."""
+        notes = dict(notes)
+        if pinned_checkpoint is None:  # a checkpoint written before configs were pinned
+            return notes
+        comparison = self.check_pinned(pinned_checkpoint, cfg)
+        old, new = comparison.held_rounds, comparison.wanted_rounds
+        if new > old:
+            log(f"train.rounds raised from {old} to {new}: the run continues to round {new}")
+            notes.setdefault("rounds_raised_from", old)
+            self._record_rounds(new)
+        return notes
 
     def _record_rounds(self, rounds: int) -> None:
         """config.yaml describes the run as it stands: a sweep that raised train.rounds continues the run, and a
@@ -337,6 +435,22 @@ class RunFolder:
         write_json(self.path / STOPPED_FILE, record)
 
     def write_model(self, state: dict[str, Any]) -> None:
-        from safetensors.torch import save_file
+        from fedguide.core.sealed import save_sealed
 
-        write_atomic(self.path / MODEL_FILE, lambda tmp: save_file(state, tmp))
+        save_sealed(self.path / MODEL_FILE, state)
+
+    def read_model(self) -> dict[str, Any]:
+        """model.safetensors' state dict, verified against its digests. One written before model files were
+        sealed (no metadata) is read with a warning; a damaged one is a ConfigError naming the file."""
+        from fedguide.core.sealed import Unverified, load_sealed
+
+        path = self.path / MODEL_FILE
+        try:
+            opened = load_sealed(path, frozenset(), lambda meta: not meta)
+        except Unverified as err:
+            raise ConfigError(f"damaged model: {path}: {err.reason}. Restore the file from a backup, or run the "
+                              f"run again: fedguide run {self.path / CONFIG_FILE} --out NEW_FOLDER") from None
+        if opened.legacy:
+            print(f"warning: {path} was written before model files carried a checksum; it is used unverified",
+                  file=sys.stderr)
+        return opened.tensors

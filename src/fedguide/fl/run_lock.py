@@ -3,12 +3,15 @@
 ``fcntl.flock`` on ``<run>/.lock``: the kernel releases it when the holder exits, however it exits
 (SIGKILL included), so a crashed run never leaves a stale lock behind. The file holds the holder's
 pid for the message a second process gets; it is never deleted (deleting a lock file that another
-process has open lets two processes hold "the" lock on different files).
+process has open lets two processes hold "the" lock on different files). It is opened without following
+a symbolic link and refused unless it is a regular file: a ``.lock`` linked elsewhere would otherwise have
+the file it points to truncated and overwritten with a pid.
 """
 from __future__ import annotations
 
 import fcntl
 import os
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -28,7 +31,14 @@ class RunLock:
 
     def __enter__(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+        except OSError as err:  # ELOOP: a symbolic link; others: a folder, a file not ours to write
+            raise self._refused(f"it cannot be opened as a lock file ({err.strerror})") from None
+        kind = os.fstat(fd).st_mode
+        if not stat.S_ISREG(kind):  # a FIFO or a device: never written to
+            os.close(fd)
+            raise self._refused("it is not a regular file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -40,6 +50,10 @@ class RunLock:
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
         return self
+
+    def _refused(self, why: str) -> ConfigError:
+        return ConfigError(f"{self.path} is not a lock file fedguide wrote: {why}. fedguide writes only a regular "
+                           f"file there; remove it (rm {self.path}) and run the command again")
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:

@@ -55,11 +55,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
-
-from fedguide.core.atomic import write_atomic
-from fedguide.core.checksums import tensors_sha256
+from fedguide.core.sealed import TENSORS_DIGEST, Unverified, load_sealed, save_sealed
 from fedguide.registry import ConfigError
 
 POOLS = ("mean", "l2")
@@ -327,28 +323,27 @@ class _FittedFeatures:
         """One safetensors file: the bases as tensors, the recipe as JSON metadata; written atomically."""
         self._require_fitted("save()")
         tensors = {key: value.contiguous() for key, value in self.state_dict().items()}
-        metadata = {"recipe": json.dumps(self.recipe()), "sha256": tensors_sha256(tensors)}
-        write_atomic(Path(path), lambda tmp: save_file(tensors, tmp, metadata=metadata))
+        save_sealed(Path(path), tensors, {"recipe": json.dumps(self.recipe())})
 
     @classmethod
     def load(cls, path: Path):
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"{path}: no such feature-basis file; fit the features and save() them there first")
+        # Sealed (core/sealed.py): tensors and recipe verified. A basis written before the recipe was sealed
+        # (the tensors' sha256 alone) still loads: its recipe is checked against the run's below.
         try:
-            with safe_open(str(path), framework="pt") as fh:
-                metadata = fh.metadata() or {}
-                tensors = {key: fh.get_tensor(key) for key in fh.keys()}
-            recipe = json.loads(metadata["recipe"])
+            opened = load_sealed(path, frozenset({"recipe"}), lambda meta: set(meta) == {"recipe", TENSORS_DIGEST})
+            recipe = json.loads(opened.metadata["recipe"])
             if not isinstance(recipe, dict):
                 raise ValueError("recipe metadata is not a JSON object")
-        except (SafetensorError, OSError, KeyError, ValueError) as err:
+        except Unverified as err:
+            raise ConfigError(f"{path} is not a readable feature-basis file, or not intact ({err.reason}); delete "
+                              "it or rerun with --rebuild to fit it again") from None
+        except (KeyError, ValueError) as err:
             raise ConfigError(f"{path} is not a readable feature-basis file ({err}); delete it or rerun with "
                               "--rebuild to fit it again") from None
-        # Bases written before digests were stored have none; every newer one must match its digest.
-        if "sha256" in metadata and tensors_sha256(tensors) != metadata["sha256"]:
-            raise ConfigError(f"{path}: the basis tensors do not match the sha256 stored with them (the file changed "
-                              "after it was written); delete it or rerun with --rebuild to fit it again")
+        tensors = opened.tensors
         if recipe.get("name") != cls.NAME:
             raise ConfigError(f"{path} holds a '{recipe.get('name')}' basis, not '{cls.NAME}'; load it with the class "
                               "of that recipe, or delete it or rerun with --rebuild to fit this one")

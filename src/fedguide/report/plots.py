@@ -7,14 +7,13 @@ leaves nothing registered in pyplot's figure manager, so there is no figure to l
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
+from fedguide.core.atomic import write_atomic
 from fedguide.report.feddw import plot_dw_matrices
 from fedguide.report.runs import RunRecord, Runs, load_runs
 from fedguide.report.tables import Group, group_runs
@@ -38,17 +37,8 @@ def _new_figure(figsize: tuple[float, float]) -> Figure:
 
 def save_atomic(fig: Figure, path: Path) -> Path:
     """Write via a temp file in the same directory and rename, so a reader (or a crash) never sees
-    a half-written PNG and a rerun replaces the old file in one step."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png.tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    a half-written PNG and a rerun replaces the old file in one step; with the user's umask, as every file."""
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
     return path
 
 

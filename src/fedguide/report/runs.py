@@ -252,7 +252,8 @@ def load_run(path: str | Path) -> RunRecord:
     summary = folder.read_summary()
     warnings: list[str] = []
     metrics = folder.read_metrics(running=summary is None, warnings=warnings)
-    return RunRecord(path=folder.path, config=folder.read_config_mapping(), summary=summary, metrics=metrics,
+    config = folder.read_run_config(warnings)  # the settings the checkpoint pins, not a later edit
+    return RunRecord(path=folder.path, config=config, summary=summary, metrics=metrics,
                      partition=folder.read_partition(), stopped=folder.read_stopped() if summary is None else None,
                      warnings=warnings)
 

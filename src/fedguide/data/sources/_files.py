@@ -27,6 +27,7 @@ import importlib
 import os
 import pickle
 import shutil
+import sys
 import tarfile
 import tempfile
 import warnings
@@ -75,11 +76,20 @@ def download_dir(name: str) -> Path:
     return Path(base) / name
 
 
+_WARNED_ENV: set[str] = set()  # a $FEDGUIDE_DATA that is not a folder, said once per process
+
+
 def search_bases(root: Optional[str], name: str, system_dirs: Sequence[str] = ()) -> list[Path]:
     """Where to look, in order and without repeats: data.root, $FEDGUIDE_DATA, system folders, the download folder."""
     bases = [Path(root).expanduser()] if root else []
     if os.environ.get("FEDGUIDE_DATA"):
-        bases.append(Path(os.environ["FEDGUIDE_DATA"]).expanduser())
+        env = Path(os.environ["FEDGUIDE_DATA"]).expanduser()
+        if not env.is_dir() and str(env) not in _WARNED_ENV:
+            # A mistyped variable would otherwise go unseen while a copy elsewhere (or a fresh download) is used.
+            _WARNED_ENV.add(str(env))
+            print(f"warning: $FEDGUIDE_DATA is {env}, which is not a folder; data sets are looked for in the other "
+                  "places (downloads would create it). Fix or unset the variable", file=sys.stderr)
+        bases.append(env)
     bases += [Path(d) for d in system_dirs] + [download_dir(name)]
     return list(dict.fromkeys(bases))
 

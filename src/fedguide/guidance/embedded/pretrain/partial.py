@@ -4,7 +4,10 @@ killed run started again reuses exactly the stages those settings still describe
 
 A stage file is a safetensors file: its tensors, and everything else (the settings key, step counts,
 optimiser hyper-parameters) as JSON in the file's metadata. Nothing in that folder is ever unpickled,
-so a file someone else put there can at worst be refused, never run.
+so a file someone else put there can at worst be refused, never run. A stage file is sealed
+(``core/sealed.py``): its tensors and its metadata are verified on every read, so a flipped byte is
+refused, never trained on. A stage file written before stage files were sealed is not reused: its stage
+is trained again (it is a cache of an interrupted run, so nothing but time is lost), with a line saying so.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fedguide.core.atomic import write_atomic
+from fedguide.core.sealed import Unverified, load_sealed, save_sealed
 
 FORMAT = "fedguide-pretrain-stage"  # the metadata entry holding the JSON part
 
@@ -91,25 +94,30 @@ def _unpack(node, tensors: dict):
 def save_atomic(obj: dict, path: Path) -> None:
     """``obj`` (tensors, dicts, lists, tuples, numbers, strings) as a safetensors file; a kill mid-save
     leaves the previous stage file or checkpoint, not a truncated one."""
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {}
     meta = {FORMAT: json.dumps(_pack(obj, tensors))}
-    write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    save_sealed(path, tensors, meta)
 
 
-def read_stage(path: Path) -> dict:
-    """The stage file at ``path`` whatever settings made it (``load_stage`` checks them); a file that is not
-    one is refused with a ValueError, never executed."""
-    from safetensors import safe_open
-
+def read_stage(path: Path) -> Optional[dict]:
+    """The stage file at ``path`` whatever settings made it (``load_stage`` checks them), verified; None for one
+    written before stage files were sealed (its stage is trained again). A file that is not an intact stage
+    file (damaged, or not one at all: a pickle, say) is refused with a ValueError, never executed."""
+    fix = "it was not loaded: delete it (or its folder) to retrain that stage"
     try:
-        with safe_open(str(path), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-            return _unpack(json.loads((f.metadata() or {})[FORMAT]), tensors)
+        opened = load_sealed(path, frozenset({FORMAT}), lambda meta: set(meta) == {FORMAT})
+    except Unverified as err:
+        raise ValueError(f"{path} is not a stage file written by fedguide pretrain-guidance, or not intact "
+                         f"({err.reason}); {fix}") from None
+    if opened.legacy:
+        print(f"{path} was written before stage files carried a checksum: not reused, its stage is trained again",
+              file=sys.stderr, flush=True)
+        return None
+    try:
+        return _unpack(json.loads(opened.metadata[FORMAT]), opened.tensors)
     except Exception as err:  # noqa: BLE001 — whatever is wrong with it, it is not loaded
         raise ValueError(f"{path} is not a stage file written by fedguide pretrain-guidance ({type(err).__name__}: "
-                         f"{err}); it was not loaded: delete it (or its folder) to retrain that stage") from None
+                         f"{err}); {fix}") from None
 
 
 def load_stage(path: Path, key: dict):
