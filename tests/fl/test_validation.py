@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from fedguide.config import build_config
 from fedguide.core.seeding import numpy_rng
 from fedguide.data.federated import validation_part
 from fedguide.fl.engine import Experiment
@@ -17,6 +16,7 @@ from fedguide.registry import ConfigError
 from fedguide.report.measures import measure
 from fedguide.report.runs import load_runs
 from fedguide.report.tables import results_table
+from tests.tiny import tiny_config
 
 
 def test_each_class_gives_its_share_rounded_half_up_and_keeps_one_sample():
@@ -28,14 +28,8 @@ def test_each_class_gives_its_share_rounded_half_up_and_keeps_one_sample():
 
 
 def cfg(val=0.2, val_from="server", rounds=3, method="fedavg", **over):
-    raw = {"data": {"name": "digits", "val_fraction": val, "val_from": val_from},
-           "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
-           "model": {"name": "mlp"}, "method": {"name": method},
-           "clients": {"num": 4, "per_round": 4},
-           "train": {"rounds": rounds, "epochs": 1, "batch_size": 32, "lr": 0.05},
-           "runtime": {"workers": 1, "threads_per_worker": 1}, "seed": 3}
-    raw.update(over)
-    return build_config(raw)
+    return tiny_config({"data": {"val_fraction": val, "val_from": val_from}, "method": {"name": method},
+                        "clients": {"num": 4, "per_round": 4}, "train": {"rounds": rounds}, "seed": 3}, **over)
 
 
 @pytest.mark.parametrize("val_from", ["server", "clients"])

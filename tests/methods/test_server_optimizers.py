@@ -9,13 +9,12 @@ import math
 import pytest
 import torch
 
-from fedguide.config import build_config
 from fedguide.core.server_updates import adaptive_step, avgm_step
 from fedguide.fl.checkpoint import load_checkpoint
-from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import prepare
 from fedguide.methods.server_optimizers import SERVER_OPTIMIZERS
 from fedguide.registry import ConfigError
+from tests.tiny import run_tiny, tiny_config
 
 X = torch.tensor([1.0, 2.0], dtype=torch.float64)
 AGG = torch.tensor([1.5, 1.0], dtype=torch.float64)  # delta = aggregate - x = [0.5, -1.0]
@@ -88,23 +87,12 @@ def test_a_mask_of_another_size_is_refused_with_a_sentence():
 
 
 def tiny(method="fedavg", rounds=3, **server):
-    raw = {
-        "data": {"name": "digits"},
-        "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
-        "model": {"name": "mlp", "mapping": [32]},
-        "method": {"name": method},
-        "clients": {"num": 4, "per_round": 3},
-        "train": {"rounds": rounds, "epochs": 1, "batch_size": 32, "lr": 0.05},
-        "runtime": {"workers": 1, "threads_per_worker": 1},
-        "seed": 1,
-    }
-    if server:
-        raw["server_optimizer"] = server
-    return build_config(raw)
+    return tiny_config({"model": {"mapping": [32]}, "clients": {"per_round": 3}}, method={"name": method},
+                       train={"rounds": rounds}, **({"server_optimizer": server} if server else {}))
 
 
 def run(cfg, folder, resume=False):
-    return Experiment(prepare(cfg), folder, log=lambda s: None).run(resume=resume)
+    return run_tiny(folder.parent, cfg, folder.name, resume=resume)[0]
 
 
 def test_avgm_without_momentum_reproduces_fedavg_and_adam_does_not(tmp_path):

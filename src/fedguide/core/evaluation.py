@@ -157,3 +157,9 @@ def evaluate_personal(evaluator: Evaluator, splits: list, personal_model: Callab
         correct.append(evaluator.correct(personal_model(cid), idx) if len(idx) else 0)
         sizes.append(len(idx))
     return personal_metrics(correct, sizes)
+
+
+def first_best(values) -> int:
+    """Index of the first maximum of ``values`` (the round a run picks by a score: the earliest on ties)."""
+    values = list(values)
+    return max(range(len(values)), key=lambda i: (values[i], -i))

@@ -16,6 +16,7 @@ import torch
 from fedguide.config import Config
 from fedguide.core import simulated
 from fedguide.core.device import device_rules, deterministic, resolve_device, to_device
+from fedguide.core.evaluation import first_best
 from fedguide.core.records import record_bytes
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedguide.fl.evaluation import (personal_summary, personal_test_record, readings_summary, round_evaluation,
@@ -60,8 +61,7 @@ def round_line(m: dict[str, Any], rounds: int, eval_mode: str = "global") -> str
 
 def stale_rounds(metrics: list[dict[str, Any]]) -> int:
     """Rounds since the best validation accuracy so far (0 when the last round is the best)."""
-    vals = [m["val_accuracy"] for m in metrics]
-    return len(vals) - 1 - vals.index(max(vals))
+    return len(metrics) - 1 - first_best(m["val_accuracy"] for m in metrics)
 
 
 class Experiment:
@@ -295,7 +295,7 @@ class Experiment:
         if "val_accuracy" in metrics[-1]:
             # The round a run without the test set would pick: the best validation accuracy (the first on ties),
             # and the test accuracy there; best_accuracy is picked with the test set and is optimistic.
-            picked = max(range(len(metrics)), key=lambda i: (metrics[i]["val_accuracy"], -i))
+            picked = first_best(m["val_accuracy"] for m in metrics)
             summary.update(best_val_accuracy=metrics[picked]["val_accuracy"], best_val_round=metrics[picked]["round"],
                            accuracy_at_best_val=curve[picked], final_val_accuracy=metrics[-1]["val_accuracy"])
         summary.update(personal_summary(self.cfg, metrics))

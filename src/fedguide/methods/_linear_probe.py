@@ -95,22 +95,18 @@ class LinearProbe:
         with torch.no_grad():
             return torch.cat([self._model.encoder(x).float() for x in batches])
 
+    # Through the run's device data (open_run always builds it): the inputs a training step or the test pass gets,
+    # standardised where the tensors are kept, without augmentation.
     def _train_batches(self, pool: np.ndarray):
         data, size = self.run.device_data, self.run.train.eval_batch_size
         idx = torch.from_numpy(pool)
         for s in range(0, len(idx), size):
-            if data is None:
-                yield self.run.data.splits.train_x[idx[s:s + size]].to(self.run.device)
-            else:
-                yield data.train_batch(data.indices(idx[s:s + size]), augment=False)[0]
+            yield data.train_batch(data.indices(idx[s:s + size]), augment=False)[0]
 
     def _test_batches(self):
         data, size, n = self.run.device_data, self.run.train.eval_batch_size, len(self.run.data.splits.test_y)
         for s in range(0, n, size):
-            if data is None:
-                yield self.run.data.splits.test_x[s:s + size].to(self.run.device)
-            else:
-                yield data.test_batch(s, s + size)[0]
+            yield data.test_batch(s, s + size)[0]
 
     def __call__(self, global_weights: torch.Tensor) -> dict[str, float]:
         run, p = self.run, self.params

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from fedguide.core.evaluation import first_best
 from fedguide.report.runs import RunRecord, last_k_mean
 
 METRICS = ("last_k", "final", "best", "best_val")
@@ -64,7 +65,7 @@ def at_best_validation(run: RunRecord, key: str = "accuracy") -> float | None:
     rounds, vals = run.series("val_accuracy")
     if not vals:
         return None
-    picked = rounds[max(range(len(vals)), key=lambda i: (vals[i], -i))]
+    picked = rounds[first_best(vals)]
     return dict(zip(*run.series(key))).get(picked)
 
 

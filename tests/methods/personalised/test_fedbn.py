@@ -6,25 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedguide.config import build_config
-from fedguide.fl.engine import Experiment
 from fedguide.fl.setup import open_run, prepare
 from fedguide.methods.personalised.fedbn import batch_norm_mask
 from fedguide.registry import ConfigError
+from tests.tiny import run_tiny, tiny_config
 
 
 def tiny(rounds=2, model=None, **method):
-    return build_config({
-        "data": {"name": "digits"},
-        "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
-        "model": model or {"name": "mlp", "hidden": 8, "feature_dim": 4, "batch_norm": True},
-        "method": {"name": "fedbn", **method},
-        "clients": {"num": 3, "per_round": 3},
-        "train": {"rounds": rounds, "epochs": 1, "batch_size": 32, "lr": 0.05},
-        "runtime": {"workers": 1, "threads_per_worker": 1},
-        "eval": {"mode": "both"},
-        "seed": 0,
-    })
+    return tiny_config(model=model or {"name": "mlp", "hidden": 8, "feature_dim": 4, "batch_norm": True},
+                       method={"name": "fedbn", **method}, clients={"num": 3, "per_round": 3},
+                       train={"rounds": rounds}, eval={"mode": "both"}, seed=0)
 
 
 def test_the_mask_covers_every_batchnorm_entry_and_nothing_else(tmp_path):
@@ -65,7 +56,7 @@ def test_the_shared_entries_are_averaged_and_the_servers_batchnorm_is_left_alone
 
 
 def test_each_client_keeps_its_own_batchnorm_layers_across_rounds(tmp_path):
-    Experiment(prepare(tiny(rounds=2)), tmp_path / "run", log=lambda s: None).run()
+    run_tiny(tmp_path, tiny(rounds=2))
     ctx, method = _method(tmp_path)
     ctx.store.recover(2)
     norms = [ctx.store.get(cid, 2)["norms"] for cid in range(3)]
@@ -98,9 +89,6 @@ def test_a_plugin_model_declaring_batchnorm_without_any_is_refused_when_opened(t
 
 
 def test_fedbn_resumes_to_the_uninterrupted_result(tmp_path):
-    def run(folder, rounds, resume=False):
-        return Experiment(prepare(tiny(rounds=rounds)), tmp_path / folder, log=lambda s: None).run(resume=resume)
-
-    full = run("full", 3)
-    run("cut", 2)
-    assert run("cut", 3, resume=True)["accuracy_curve"] == full["accuracy_curve"]
+    full = run_tiny(tmp_path, tiny(rounds=3), "full")[0]
+    run_tiny(tmp_path, tiny(rounds=2), "cut")
+    assert run_tiny(tmp_path, tiny(rounds=3), "cut", resume=True)[0]["accuracy_curve"] == full["accuracy_curve"]
