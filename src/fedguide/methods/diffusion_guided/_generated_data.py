@@ -216,7 +216,7 @@ class JoinedFeed:
     each in its place in the shuffled order, the generated ones augmented by ``train.augment`` as well."""
 
     def __init__(self, ctx, pool_x: torch.Tensor, pool_y: torch.Tensor, offset: int, pixel_stats):
-        self.base, self.data, self.offset = ctx.device_data, ctx.data, offset
+        self.base, self.ctx, self.offset = ctx.device_data, ctx, offset
         self.device = self.base.device if self.base is not None else ctx.data.x.device
         self.pool_x, self.pool_y = pool_x.to(self.device), pool_y.to(self.device)
         self.augment = self.base.augment if self.base is not None else None
@@ -229,8 +229,8 @@ class JoinedFeed:
         return idx
 
     def _real(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.base is None:
-            return self.data.x[idx], self.data.y[idx]
+        if self.base is None:  # no device data: the client's host tensors, as ctx.batch reads them
+            return self.ctx.batch(idx)
         return self.base.train_batch(self.base.indices(idx))
 
     def _generated(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,7 +104,7 @@ def batches(ctx, batch_size: int, generator: torch.Generator, min_size: int
             if len(batch) < min_size and start > 0:
                 continue
             if feed is None:
-                yield data.x[batch], data.y[batch], batch
+                yield (*ctx.batch(batch), batch)
             else:
                 yield (*feed.train_batch(kept[start: start + batch_size]), batch)
 
