@@ -25,7 +25,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import yaml
 
@@ -34,6 +34,9 @@ from fedguide.config import Config, build_config, config_differences, flat_keys,
 from fedguide.core.atomic import remove_stale_temporaries, write_json, write_jsonl, write_text
 from fedguide.fl.run_lock import RunLock
 from fedguide.registry import ConfigError
+
+if TYPE_CHECKING:
+    from fedguide.fl.checkpoint import Checkpoint
 
 CONFIG_FILE = "config.yaml"
 PARTITION_FILE = "partition.json"
@@ -438,6 +441,13 @@ class RunFolder:
         from fedguide.core.sealed import save_sealed
 
         save_sealed(self.path / MODEL_FILE, state)
+
+    def read_checkpoint(self) -> Optional["Checkpoint"]:
+        """The last checkpoint, verified against its digests (None when the run has none); a damaged one is a
+        DamagedCheckpoint naming the file."""
+        from fedguide.fl.checkpoint import load_checkpoint
+
+        return load_checkpoint(self.checkpoints)
 
     def read_model(self) -> dict[str, Any]:
         """model.safetensors' state dict, verified against its digests. One written before model files were

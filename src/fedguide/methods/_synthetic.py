@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from fedguide.core.atomic import write_atomic, write_json
+from fedguide.core.sealed import Opened, Unverified, load_sealed, read_metadata, save_sealed
 from fedguide.registry import ConfigError
 
 FOLDER = "synthetic"
@@ -218,6 +219,14 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 # --- the folder ----------------------------------------------------------------------------------------
+CHUNK_KEYS = frozenset({"fingerprint", "client", "chunk", "first", "classes", "recipe"})
+
+
+def _older_chunk(metadata: dict[str, str]) -> bool:
+    """Chunks written before they were sealed (and one-file sets before chunking) are read, unverified."""
+    return True
+
+
 class SyntheticStore:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -262,57 +271,63 @@ class SyntheticStore:
         return sorted(ids)
 
     @staticmethod
-    def file_metadata(path: Path) -> Optional[dict[str, str]]:
-        from safetensors import safe_open
-
+    def intact_chunk(path: Path) -> Optional[dict[str, str]]:
+        """The metadata of the chunk file at ``path`` when it is there and verifies (tensors and metadata), else
+        None: a chunk of this run's own set that does not verify is said and generated again."""
         if not path.is_file():
             return None
-        with safe_open(str(path), "pt") as fh:
-            return dict(fh.metadata() or {})
+        try:
+            return load_sealed(path, CHUNK_KEYS, _older_chunk).metadata
+        except Unverified as err:
+            print(f"synthetic: {path} cannot be trusted ({err.reason}); generating it again", file=sys.stderr)
+            return None
+
+    @staticmethod
+    def _opened(path: Path) -> Opened:
+        """A chunk of a reused set, verified: one that does not verify is refused (it is another run's)."""
+        try:
+            return load_sealed(path, CHUNK_KEYS, _older_chunk)
+        except Unverified as err:
+            raise ConfigError(f"reuse_synthetic: {path} cannot be trusted: {err.reason}. Run the run that wrote "
+                              "the set again, or leave reuse_synthetic out to generate the set") from None
 
     def metadata(self, client_id: int) -> Optional[dict[str, str]]:
-        """The metadata of the client's first chunk (its recipe and classes)."""
-        files = self.chunk_files(client_id)
-        return self.file_metadata(files[0]) if files else None
-
-    def labels(self, client_id: int) -> torch.Tensor:
-        from safetensors import safe_open
-
-        parts = []
-        for path in self.chunk_files(client_id):
-            with safe_open(str(path), "pt") as fh:
-                parts.append(fh.get_tensor("labels"))
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-
-    def load(self, client_id: int) -> Optional[ClientImages]:
-        """All the client's images in memory (small sets, inspection); None if it has none."""
-        from safetensors.torch import load_file
-
+        """The metadata of the client's first chunk (its recipe and classes), verified."""
         files = self.chunk_files(client_id)
         if not files:
             return None
-        tensors = [load_file(str(p)) for p in files]
+        try:
+            return read_metadata(files[0], CHUNK_KEYS, _older_chunk)[0]
+        except Unverified as err:
+            raise ConfigError(f"synthetic set: {files[0]} cannot be trusted: {err.reason}") from None
+
+    def load(self, client_id: int) -> Optional[ClientImages]:
+        """All the client's images in memory (small sets, inspection), verified; None if it has none."""
+        files = self.chunk_files(client_id)
+        if not files:
+            return None
+        tensors = [self._opened(p).tensors for p in files]
         return ClientImages(client_id, torch.cat([t["images"] for t in tensors]),
                             torch.cat([t["labels"] for t in tensors]))
 
     def parts(self, client_id: int) -> list[tuple[Path, int, torch.Tensor]]:
-        """(chunk file, client, labels) of every chunk of the client, as SyntheticSet takes them."""
-        from safetensors import safe_open
-
-        out = []
+        """(chunk file, client, labels) of every chunk of the client, as SyntheticSet takes them; every chunk
+        is verified whole here, once, so the reads of training batches (slices) need not be."""
+        out, older = [], False
         for path in self.chunk_files(client_id):
-            with safe_open(str(path), "pt") as fh:
-                out.append((path, client_id, fh.get_tensor("labels")))
+            opened = self._opened(path)
+            older |= opened.legacy
+            out.append((path, client_id, opened.tensors["labels"]))
+        if older:
+            print(f"warning: the synthetic images of client {client_id} in {self.folder} were written before chunk "
+                  "files carried a checksum; they are used unverified", file=sys.stderr)
         return out
 
     def save_chunk(self, client_id: int, chunk: int, images: torch.Tensor, labels: torch.Tensor,
                    meta: dict[str, str]) -> Path:
-        from safetensors.torch import save_file
-
         path = self.chunk_path(client_id, chunk)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {"images": images.contiguous(), "labels": labels.contiguous()}
-        write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        save_sealed(path, {"images": images.contiguous(), "labels": labels.contiguous()}, meta)
         return path
 
     def drop_chunks_from(self, client_id: int, first: int) -> None:
@@ -416,7 +431,7 @@ def generate_set(store: SyntheticStore, jobs: Sequence[GenerationJob], prompts_o
             recipe = {**job.recipe, **storage, "chunk": k, "first": lo, "images": hi - lo}
             digest = fingerprint(recipe)
             path = store.chunk_path(job.client_id, k)
-            meta = store.file_metadata(path)
+            meta = store.intact_chunk(path)
             if meta is None or meta.get("fingerprint") != digest:
                 start = time.perf_counter()
                 result = job.generate(prompts_of(labels[lo:hi].tolist()), labels[lo:hi], lo)

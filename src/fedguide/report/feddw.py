@@ -6,24 +6,23 @@ from pathlib import Path
 
 import numpy as np
 
+from fedguide.fl.run_folder import MODEL_FILE, RunFolder
 from fedguide.report.runs import RunRecord
 
-SL_KEY = "method.dw.sl"
+SL_KEY = "dw.sl"  # the dw regulariser's server state in the checkpoint
 
 
 def dw_matrices(run: RunRecord) -> tuple[np.ndarray, np.ndarray] | None:
-    """(SL, CR) of a finished run, or None when the run has no dw state."""
-    ckpt, model = run.path / "checkpoints" / "last.safetensors", run.path / "model.safetensors"
-    if not (ckpt.is_file() and model.is_file()):
+    """(SL, CR) of a finished run, or None when the run has no dw state. Both files are read verified (a
+    damaged one is an error naming it, never a figure drawn from altered numbers)."""
+    folder = RunFolder(run.path)
+    if not (folder.checkpoints.is_dir() and (run.path / MODEL_FILE).is_file()):
         return None
-    from safetensors import safe_open
-
-    with safe_open(str(ckpt), framework="np") as fh:
-        if SL_KEY not in fh.keys():
-            return None
-        sl = fh.get_tensor(SL_KEY).astype(np.float64)
-    with safe_open(str(model), framework="np") as fh:
-        omega = fh.get_tensor("head.weight").astype(np.float64)
+    ckpt = folder.read_checkpoint()
+    if ckpt is None or SL_KEY not in ckpt.method_state:
+        return None
+    sl = ckpt.method_state[SL_KEY].double().numpy()
+    omega = folder.read_model()["head.weight"].double().numpy()
     logits = omega @ omega.T
     cr = np.exp(logits - logits.max(axis=1, keepdims=True))
     return sl, cr / cr.sum(axis=1, keepdims=True)

@@ -5,21 +5,22 @@ first image.
 A batch's entry holds what the method keeps of it (for FedDISC: the image features and the few images
 shown in the samples grid, as 8-bit pixels) under a key computed from everything its images depend on
 (conditions, prompt, sampler settings, seed). An entry whose key differs, from a changed recipe or other
-uploads, is never read: the batch is generated again and the entry replaced. Entries are written
-atomically, so a stop during a write leaves the previous state. The folder is removed once the method
-has written its results.
+uploads, is never read: the batch is generated again and the entry replaced. Entries are sealed
+(core/sealed.py: a flipped byte is found and the batch generated again) and written atomically, so a stop
+during a write leaves the previous state. The folder is removed once the method has written its results.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from fedguide.core.atomic import write_atomic
+from fedguide.core.sealed import Unverified, load_sealed, save_sealed
 
 KEY = "key"
 
@@ -45,27 +46,23 @@ class GenerationCache:
         return self.folder / ("batch_" + "_".join(f"{i:05d}" for i in index) + ".safetensors")
 
     def load(self, index: tuple[int, ...], key: str) -> Optional[dict[str, torch.Tensor]]:
-        """The entry at ``index`` if it was written under ``key``, else None."""
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
+        """The entry at ``index`` if it was written under ``key`` and verifies against its digests, else None
+        (the batch is generated again; a damaged entry is said)."""
         path = self.path(*index)
         if not path.is_file():
             return None
         try:
-            with safe_open(str(path), "pt") as f:
-                if (f.metadata() or {}).get(KEY) != key:
-                    return None
-            return load_file(path)
-        except (OSError, ValueError, RuntimeError):  # unreadable: generate the batch again
+            opened = load_sealed(path, frozenset({KEY}))
+        except Unverified as err:
+            print(f"generation: {path} cannot be trusted ({err.reason}); generating the batch again",
+                  file=sys.stderr)
             return None
+        return opened.tensors if opened.metadata.get(KEY) == key else None
 
     def save(self, index: tuple[int, ...], key: str, tensors: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
         self.folder.mkdir(parents=True, exist_ok=True)
         plain = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        write_atomic(self.path(*index), lambda tmp: save_file(plain, tmp, metadata={KEY: key}))
+        save_sealed(self.path(*index), plain, {KEY: key})
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
