@@ -11,6 +11,9 @@ by method, both settings each), so an interrupted suite leaves whole seeds of th
 
     .venv/bin/python benchmarks/feddw_table_suite.py [--out runs/feddw_table] [--settings ...] [--seeds ...]
     .venv/bin/python benchmarks/feddw_table_suite.py --report   # only the tables, from the finished runs
+    .venv/bin/python benchmarks/feddw_table_suite.py --only fedavg fedrep fedper --out runs/x --results DIR
+
+The pFL rows that take ``method.protocol`` run FedDW's released protocol for them (``protocol: feddw``).
 
 Reports (``fedguide report --vs fedavg``, per setting) and the combined tables (tables.md: Table I's shape,
 every statistic per setting, paired differences against FedAvg and of X+DW against X, global and personal)
@@ -79,13 +82,21 @@ def display(label: str) -> str:
     return base + ("+DW" if label.endswith(DW) else "")
 
 
+def has_feddw_protocol(name: str) -> bool:
+    """Whether the method takes ``protocol: feddw`` (FedDW's released protocol for its pFL rows)."""
+    from fedguide.methods import METHODS
+    return "protocol" in METHODS.get(name).params.model_fields
+
+
 def overrides_for(label: str, mu: float) -> list[str]:
+    """A row as FedDW's tables ran it: its pFL rows under FedDW's released protocol (method.protocol=feddw:
+    the released codes' phases and evaluation, personalised/_protocol.py)."""
     name = method_of(label)
     if label.endswith(DW):
         return [f"method.name={name}", f"regularizers=[{{name: dw, mu: {mu}}}]"]
     if name == "feddw":
         return ["method.name=feddw", f"method.mu={mu}"]
-    return [f"method.name={name}"]
+    return [f"method.name={name}", *(["method.protocol=feddw"] if has_feddw_protocol(name) else [])]
 
 
 def registered_methods() -> set[str]:
@@ -93,12 +104,13 @@ def registered_methods() -> set[str]:
     return set(METHODS.names())
 
 
-def plan(root: Path, settings: list[str], seeds: list[int], available: set[str]) -> list[Planned]:
+def plan(root: Path, settings: list[str], seeds: list[int], available: set[str],
+         only: Optional[list[str]] = None) -> list[Planned]:
     mus = {s: chosen_mu(s) for s in settings}
     runs = []
     for seed in seeds:
         for label in ORDER:
-            if method_of(label) not in available:
+            if method_of(label) not in available or (only and label not in only):
                 continue
             for setting in settings:
                 over = [*SETTINGS[setting], f"seed={seed}", *overrides_for(label, mus[setting]), *EVAL]
@@ -274,16 +286,17 @@ def status(runs: list[Planned], failed: list[Planned], missing: list[str]) -> st
     return "\n".join(lines) + "\n"
 
 
-def report(runs: list[Planned], settings: list[str], failed: list[Planned], missing: list[str]) -> None:
+def report(runs: list[Planned], settings: list[str], failed: list[Planned], missing: list[str],
+           results: Path = RESULTS) -> None:
     for s in settings:
         done = [r.out for r in runs if r.setting == s and finished(r)]
         if not done:
             continue
         vs = ["--vs", REFERENCE] if any(r.setting == s and r.label == REFERENCE and finished(r) for r in runs) else []
-        cli("report", *done, *vs, "--rows", "method", "--cols", "partition", "--out", RESULTS / s)
-    write_text(RESULTS / "tables.md", tables(runs, settings, missing))
-    write_text(RESULTS / "status.md", status(runs, failed, missing))
-    print(f"tables: {RESULTS / 'tables.md'}", flush=True)
+        cli("report", *done, *vs, "--rows", "method", "--cols", "partition", "--out", results / s)
+    write_text(results / "tables.md", tables(runs, settings, missing))
+    write_text(results / "status.md", status(runs, failed, missing))
+    print(f"tables: {results / 'tables.md'}", flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -291,15 +304,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "feddw_table")
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    ap.add_argument("--only", nargs="+", choices=list(ORDER), help="these rows only (e.g. the reference and the "
+                    "pFL rows after a change to them); write their tables with --results")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="folder of the tables and reports")
     ap.add_argument("--report", action="store_true", help="write the tables from the finished runs; run nothing")
     args = ap.parse_args(argv)
     available = registered_methods()
     missing = missing_labels(available)
     if missing:
         print(f"not registered, so not run: {', '.join(missing)}", flush=True)
-    runs = plan(args.out.resolve(), args.settings, args.seeds, available)
+    runs = plan(args.out.resolve(), args.settings, args.seeds, available, args.only)
     failed = [] if args.report else execute(runs)
-    report(runs, args.settings, failed, missing)
+    report(runs, args.settings, failed, missing, args.results.resolve())
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ REACH_THE_METHODS_PATH = {"fedcda": {"warmup_rounds": 1},
                           "perfedavg": {"beta": 0.05}}
 # Methods whose every optimiser step is asserted free of host syncs on the simulated device (a loss summed on the
 # device is fine; one read per step is not).
-NO_SYNC_PER_STEP = {"fedavg", "fedprox", "moon", "scaffold", "feddw", "feduv", "feddistill_plus", "fedrcl"}
+NO_SYNC_PER_STEP = {"fedavg", "fedprox", "moon", "scaffold", "feddw", "feduv", "feddistill_plus", "fedrcl", "feddyn",
+                    "fedbn", "ditto", "pfedme"}
 # Chance is 10 %; three rounds of two epochs on six digit clients reach 0.38 (FedNH) to 0.97 (centralized), on
 # the global test set or, for a personalised method, on its clients' own splits.
 LEARNS = 0.3
