@@ -52,7 +52,7 @@ from fedguide.guidance.model import GuidanceModel  # noqa: E402
 from fedguide.guidance.samplers import SamplerConfig, sample, scaled_gradient  # noqa: E402
 from fedguide.guidance.tiny import clip_char_tokenizer  # noqa: E402
 from fedguide.methods.one_shot.fedcado import BatchNormStatistics, guidance_loss  # noqa: E402
-from fedguide.methods.frozen_encoder.feddisc import composed_conditions  # noqa: E402
+from fedguide.methods.frozen_encoder.centroids.feddisc import composed_conditions  # noqa: E402
 from fedguide.models import MODELS, ModelSpec, build_model  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))

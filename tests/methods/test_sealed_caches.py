@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from fedguide.methods._synthetic import GenerationJob, SyntheticStore, generate_set
-from fedguide.methods.frozen_encoder._generation_cache import GenerationCache, batch_key
+from fedguide.methods.frozen_encoder.centroids._generation_cache import GenerationCache, batch_key
 from fedguide.registry import ConfigError
 from tests.methods.one_shot.test_fedcado import splits_of
 

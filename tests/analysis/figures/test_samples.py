@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from fedguide.analysis import analyze
 from fedguide.analysis.figures.samples import Generated, generated_images, row_pairs
 from fedguide.analysis.opened import AnalysisRun
-from fedguide.methods.frozen_encoder.feddisc import SAMPLES_FILE
+from fedguide.methods.frozen_encoder.centroids.feddisc import SAMPLES_FILE
 from fedguide.registry import ConfigError
 
 

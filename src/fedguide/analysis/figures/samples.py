@@ -46,7 +46,7 @@ def generated_images(run_dir: Path) -> Optional[Generated]:
     from safetensors.torch import load_file
 
     from fedguide.methods._synthetic import SyntheticStore
-    from fedguide.methods.frozen_encoder.feddisc import SAMPLES_FILE
+    from fedguide.methods.frozen_encoder.centroids.feddisc import SAMPLES_FILE
 
     images, labels, clients, sources = [], [], [], []
     store = SyntheticStore.of_run(run_dir)

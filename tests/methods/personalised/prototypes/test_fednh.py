@@ -13,7 +13,7 @@ from fedguide.config import TrainConfig
 from fedguide.fl.setup import open_run, prepare
 from fedguide.core.seeding import derive_seed
 from fedguide.methods import METHODS, ClientContext
-from fedguide.methods.personalised.fednh import (PROTOTYPE_SEED_KEY, FedNH, FedNHParams, aggregate_class_means, cosine_logits,
+from fedguide.methods.personalised.prototypes.fednh import (PROTOTYPE_SEED_KEY, FedNH, FedNHParams, aggregate_class_means, cosine_logits,
                                     orthogonal_prototypes, smooth_prototypes, spread_prototypes)
 from fedguide.models.split import SplitModel
 

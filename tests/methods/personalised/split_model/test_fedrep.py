@@ -6,7 +6,7 @@ import torch
 
 import fedguide.methods._personalise as personalise
 from fedguide.methods._personalise import head_span
-from fedguide.methods.personalised.fedrep import FedRepParams
+from fedguide.methods.personalised.split_model.fedrep import FedRepParams
 from fedguide.registry import ConfigError
 from tests.methods.pfl_cases import client_round, opened
 

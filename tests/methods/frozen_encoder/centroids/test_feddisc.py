@@ -20,15 +20,15 @@ from fedguide.guidance.shared import guidance_model
 from fedguide.guidance.tiny import IMAGE_EMBED
 from fedguide.methods import ClientContext
 from fedguide.fl.setup import open_run
-from fedguide.methods.frozen_encoder._centroids import (UPLOAD_KEYS, CentroidParams, client_summary, cluster_centroids,
+from fedguide.methods.frozen_encoder.centroids._centroids import (UPLOAD_KEYS, CentroidParams, client_summary, cluster_centroids,
                                          merge_small_clusters, noise_features)
-from fedguide.methods.frozen_encoder._feature_noise import FeatureNoise, resolve_process
+from fedguide.methods.frozen_encoder.centroids._feature_noise import FeatureNoise, resolve_process
 from fedguide.methods.frozen_encoder._frozen_encoder import class_prototypes, labeled_set, pseudo_labels
-from fedguide.methods.frozen_encoder.feddisc import check_conditioning, composed_conditions, plan_generation
+from fedguide.methods.frozen_encoder.centroids.feddisc import check_conditioning, composed_conditions, plan_generation
 from fedguide.registry import ConfigError
 from tests.tiny import run_tiny
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 # unclip_model, digits_config (semi-supervised digits_domains, tiny unCLIP guidance) and cached_digits: conftest.py
 pytestmark = pytest.mark.usefixtures("cached_digits")
 FAST = {"num_centroids": 2, "images_per_centroid": 2, "steps": 2, "head_epochs": 3, "sample_grid": 2}
@@ -415,7 +415,7 @@ def test_a_run_stopped_mid_generation_resumes_after_its_last_finished_batch(digi
     a, b = load_file(ref_dir / "feddisc_samples.safetensors"), load_file(run_dir / "feddisc_samples.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     # A batch whose conditions differ (other uploads, another recipe) is generated again, never read.
-    from fedguide.methods.frozen_encoder._generation_cache import GenerationCache, batch_key
+    from fedguide.methods.frozen_encoder.centroids._generation_cache import GenerationCache, batch_key
     cache = GenerationCache(tmp_path / "cache")
     key = batch_key({"steps": 2}, {"c": torch.ones(2)})
     cache.save((0, 0), key, {"features": torch.zeros(1, 2)})

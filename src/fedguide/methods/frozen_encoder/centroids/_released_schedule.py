@@ -65,7 +65,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from fedguide.methods.frozen_encoder._centroids import CentroidParams, cluster_centroids, random_members
+from fedguide.methods.frozen_encoder.centroids._centroids import CentroidParams, cluster_centroids, random_members
 from fedguide.registry import ConfigError
 
 RELEASED_UPLOAD_KEYS = ("centroids", "centroid_labels", "pseudo_label_counts")

@@ -22,15 +22,15 @@ from fedguide.guidance.samplers import SamplerConfig, sample
 from fedguide.guidance.shared import guidance_model
 from fedguide.guidance.tiny import IMAGE_EMBED
 from fedguide.methods import ClientContext
-from fedguide.methods.frozen_encoder._centroids import NOISE_TAG, CentroidParams
-from fedguide.methods.frozen_encoder._released_schedule import (RELEASED_UPLOAD_KEYS, averaged_level_labels,
+from fedguide.methods.frozen_encoder.centroids._centroids import NOISE_TAG, CentroidParams
+from fedguide.methods.frozen_encoder.centroids._released_schedule import (RELEASED_UPLOAD_KEYS, averaged_level_labels,
                                                                 domain_from_centroids, euclidean_pseudo_labels,
                                                                 noised_client_summary, plan_released,
                                                                 released_conditions, round_robin_partners)
 from fedguide.registry import ConfigError
 from tests.tiny import run_tiny
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 pytestmark = pytest.mark.usefixtures("cached_digits")
 FAST = {"num_centroids": 2, "images_per_centroid": 2, "steps": 2, "head_epochs": 3, "sample_grid": 2}
 

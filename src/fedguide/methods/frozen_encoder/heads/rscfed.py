@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from fedguide.core.seeding import derive_seed
-from fedguide.methods.frozen_encoder._augment import strong_augment
+from fedguide.methods.frozen_encoder.heads._augment import strong_augment
 from fedguide.methods.frozen_encoder._frozen_encoder import Head, head_logits, sgd_steps
-from fedguide.methods.frozen_encoder._head_federation import HeadFederation, HeadParams
+from fedguide.methods.frozen_encoder.heads._head_federation import HeadFederation, HeadParams
 from fedguide.methods.base import METHODS
 
 VIEW_TAG, SUBSET_TAG = 51, 52

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedguide.methods.frozen_encoder.feddisc import FedDISC
+from fedguide.methods.frozen_encoder.centroids.feddisc import FedDISC
 from tests.tiny import Crash, crash_after, run_tiny
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 pytestmark = pytest.mark.usefixtures("cached_digits")
 FAST = {"num_centroids": 2, "images_per_centroid": 2, "steps": 2, "sample_grid": 0}
 

@@ -11,7 +11,7 @@ from fedguide.data.federated import ClientData
 from fedguide.fl.setup import open_run, prepare
 from fedguide.core.state import ClientStateStore
 from fedguide.methods import METHODS, ClientContext
-from fedguide.methods.personalised.fedproto import (FedProto, FedProtoParams, aggregate_prototypes, class_feature_means,
+from fedguide.methods.personalised.prototypes.fedproto import (FedProto, FedProtoParams, aggregate_prototypes, class_feature_means,
                                        nearest_prototype, prototype_loss)
 from fedguide.models.split import SplitModel
 

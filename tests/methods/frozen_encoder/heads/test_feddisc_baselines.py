@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 from fedguide.guidance.shared import class_prompts, guidance_model, guidance_pixels
 from fedguide.guidance.tiny import IMAGE_EMBED
-from fedguide.methods.frozen_encoder._augment import strong_augment
+from fedguide.methods.frozen_encoder.heads._augment import strong_augment
 from fedguide.methods.frozen_encoder._frozen_encoder import head_logits, new_head, train_head
-from fedguide.methods.frozen_encoder.rscfed import distance_reweighted, head_distance, sharpen
-from fedguide.methods.frozen_encoder.semifl import confident_pseudo_labels, mixup_loss
+from fedguide.methods.frozen_encoder.heads.rscfed import distance_reweighted, head_distance, sharpen
+from fedguide.methods.frozen_encoder.heads.semifl import confident_pseudo_labels, mixup_loss
 from fedguide.registry import ConfigError
 from tests.tiny import run_tiny
 
@@ -120,7 +120,7 @@ def test_semifl_runs_and_server_training_fits_the_labeled_set(config, tmp_path):
 
 def test_semifl_evaluates_after_its_server_training_step(config, tmp_path, monkeypatch):
     """The released code's round: clients, aggregation, supervised server training, test."""
-    from fedguide.methods.frozen_encoder.semifl import SemiFL
+    from fedguide.methods.frozen_encoder.heads.semifl import SemiFL
 
     events = []
     for name, tag in (("_supervised", "server"), ("client_train", "client"), ("server_update", "aggregate"),

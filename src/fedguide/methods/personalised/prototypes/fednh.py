@@ -51,7 +51,7 @@ from fedguide.core.aggregation import sample_weighted_average, weighted_average
 from fedguide.core.seeding import derive_seed
 from fedguide.core.training import make_optimizer
 from fedguide.methods.base import METHODS, Method
-from fedguide.methods.personalised.fedproto import aggregate_prototypes, class_feature_means
+from fedguide.methods.personalised.prototypes.fedproto import aggregate_prototypes, class_feature_means
 
 # The prototype stream is the model-init purpose with an extra key, distinct from the weights' own stream.
 PROTOTYPE_SEED_KEY = 1

@@ -57,5 +57,5 @@ def test_last_local_reading_scores_each_clients_model_as_its_last_training_left_
 
 
 def test_feddws_preset_turns_the_reading_on():
-    from fedguide.methods.personalised.fedper import FedPerParams
+    from fedguide.methods.personalised.split_model.fedper import FedPerParams
     assert FedPerParams(protocol="feddw").last_local_eval and not FedPerParams().last_local_eval

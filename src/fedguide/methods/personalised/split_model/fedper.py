@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fedguide.methods._personalise import top_layers_start
 from fedguide.methods.base import METHODS
 from fedguide.methods.personalised._protocol import Protocol, apply_protocol, protocol_field
-from fedguide.methods.personalised._split_federation import SplitFederation, last_local_field
+from fedguide.methods.personalised.split_model._split_federation import SplitFederation, last_local_field
 
 PRESETS = {"feddw": {"last_local_eval": True}}
 

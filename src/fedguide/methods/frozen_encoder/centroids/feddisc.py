@@ -85,11 +85,11 @@ import torch
 from pydantic import Field, model_validator
 
 from fedguide.core.seeding import derive_seed, torch_generator
-from fedguide.methods.frozen_encoder._centroids import (CentroidOneShot, CentroidParams, privacy_report,
+from fedguide.methods.frozen_encoder.centroids._centroids import (CentroidOneShot, CentroidParams, privacy_report,
                                                         uploaded_centroids)
 from fedguide.methods.frozen_encoder._frozen_encoder import score
-from fedguide.methods.frozen_encoder._generation_cache import GenerationCache, batch_key
-from fedguide.methods.frozen_encoder._released_schedule import (CLIENT_NOISE_LEVEL, euclidean_pseudo_labels,
+from fedguide.methods.frozen_encoder.centroids._generation_cache import GenerationCache, batch_key
+from fedguide.methods.frozen_encoder.centroids._released_schedule import (CLIENT_NOISE_LEVEL, euclidean_pseudo_labels,
                                                                 noised_client_summary, plan_released,
                                                                 released_conditions)
 from fedguide.methods._synthetic import check_image_data, from_uint8, stored_to_model_input, to_stored, to_uint8

@@ -15,7 +15,7 @@ _head_federation.
 from __future__ import annotations
 
 from fedguide.methods.frozen_encoder._frozen_encoder import pseudo_labels
-from fedguide.methods.frozen_encoder._head_federation import HeadFederation, HeadParams
+from fedguide.methods.frozen_encoder.heads._head_federation import HeadFederation, HeadParams
 from fedguide.methods.base import METHODS
 
 

@@ -57,7 +57,7 @@ from fedguide.core.training import make_optimizer, train_local
 from fedguide.methods._personalise import StepFrozen, frozen, head_span, train_head
 from fedguide.methods.base import METHODS
 from fedguide.methods.personalised._protocol import Protocol, apply_protocol, protocol_field
-from fedguide.methods.personalised._split_federation import SplitFederation, last_local_field
+from fedguide.methods.personalised.split_model._split_federation import SplitFederation, last_local_field
 from fedguide.registry import ConfigError
 
 PRESETS = {"feddw": {"head_epochs": 1, "body_epochs": "rest", "optimizer": "shared_kept_grads",

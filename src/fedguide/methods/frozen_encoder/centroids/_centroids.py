@@ -55,7 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedguide.core.atomic import write_json
 from fedguide.core.seeding import derive_seed, torch_generator
 from fedguide.guidance.pipeline_facts import pipeline_facts
-from fedguide.methods.frozen_encoder._feature_noise import FeatureNoise, NoiseProcess, noise_features, resolve_process
+from fedguide.methods.frozen_encoder.centroids._feature_noise import FeatureNoise, NoiseProcess, noise_features, resolve_process
 from fedguide.methods.frozen_encoder._frozen_encoder import (FrozenFeatures, class_prototypes, head_from_state, head_metrics,
                                              head_state, labeled_set, new_head, pseudo_labels, train_head)
 from fedguide.methods.base import Method

@@ -9,7 +9,7 @@ are uploaded (the protocol is FedDISC's) but not used. ``num_centroids`` is Tabl
 """
 from __future__ import annotations
 
-from fedguide.methods.frozen_encoder._centroids import CentroidOneShot, CentroidParams, uploaded_centroids
+from fedguide.methods.frozen_encoder.centroids._centroids import CentroidOneShot, CentroidParams, uploaded_centroids
 from fedguide.methods.base import METHODS
 
 
