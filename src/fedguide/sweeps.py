@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import yaml
 
-from fedguide.config import Config, apply_overrides, build_config, flat_keys, parse_value, to_yaml
+from fedguide.config import Config, ResolvedConfig, apply_overrides, build_config, flat_keys, parse_value, to_yaml
 from fedguide.registry import ConfigError
 
 if TYPE_CHECKING:
@@ -168,12 +168,12 @@ def plan(raw: dict[str, Any], overrides: Sequence[Union[str, tuple[str, Any]]], 
             cfg = build_config(apply_overrides(raw, [*overrides, *combo.overrides]))
             folder = RunFolder(parent / combo.folder)
             prepared = check(cfg)
-            state = folder.state_for(prepared.config)
+            state = folder.state_for(prepared.resolved)
             if state == "new":
-                held = _holding(others, prepared.config)
+                held = _holding(others, prepared.resolved)
                 if held is not None:
                     others.remove(held.path)
-                    folder, state = held, held.state_for(prepared.config)
+                    folder, state = held, held.state_for(prepared.resolved)
             refuse_runtime(prepared.config, folder.path, resume=state != "new")
             planned.append(PlannedRun(combo, prepared.config, folder.path, state, prepared.data.summary()))
         except ValueError as err:  # ConfigError and what building a model or method refuses
@@ -218,7 +218,7 @@ def check_like_with_like(planned: Sequence[PlannedRun]) -> None:
                           "sweep them too")
 
 
-def _holding(folders: list[Path], cfg: Config) -> Optional["RunFolder"]:
+def _holding(folders: list[Path], cfg: ResolvedConfig) -> Optional["RunFolder"]:
     """The first of ``folders`` that holds a run of ``cfg``'s settings (train.rounds aside), if any."""
     from fedguide.fl.run_folder import RunFolder
 

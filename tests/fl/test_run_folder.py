@@ -54,3 +54,35 @@ def test_a_resume_may_raise_the_rounds_only(tmp_path):
     with pytest.raises(ConfigError, match=r"train.rounds may only be raised\):\n  train.rounds: 2 \(checkpoint\) vs 1"):
         folder.resume_notes(held, shorter, {}, lines.append)
     assert not compare_pinned(held, pinned_config(longer), ("a", "b")).differences
+
+
+def fedprox_gains_a_parameter(monkeypatch):
+    """A later fedguide whose FedProx has a parameter more (at a default that changes nothing)."""
+    import dataclasses
+
+    from pydantic import create_model
+
+    from fedguide.methods import METHODS
+
+    entry = METHODS.get("fedprox")
+    newer = create_model("NewerFedProxParams", __base__=entry.params, anneal=(float, 0.0))
+    monkeypatch.setitem(METHODS._entries, "fedprox", dataclasses.replace(entry, params=newer))
+
+
+def test_a_run_resumes_and_sweeps_on_after_its_method_gained_a_parameter(tmp_path, monkeypatch):
+    from fedguide.fl.setup import prepare
+    from tests.tiny import Crash, crash_after
+
+    cfg = tiny_config(method={"name": "fedprox", "mu": 0.01}, train={"rounds": 3})
+    with pytest.raises(Crash):
+        run_tiny(tmp_path, cfg, log=crash_after(2))
+    folder = RunFolder(tmp_path / "run")
+    with monkeypatch.context() as m:
+        fedprox_gains_a_parameter(m)
+        newer = prepare(folder.read_config()).resolved
+        assert newer.config.method.params_dict()["anneal"] == 0.0  # the new default is written out now
+        assert folder.compare(newer).same  # the sweep planner's comparison
+        summary, rows, _ = run_tiny(tmp_path, folder.read_config(), resume=True)
+        assert summary["rounds"] == 3 and len(rows) == 3
+        edited = prepare(tiny_config(method={"name": "fedprox", "mu": 0.01, "anneal": 0.5}, train={"rounds": 3})).resolved
+        assert any("method.anneal" in d for d in folder.compare(edited).differences)  # a value set is an edit

@@ -205,7 +205,7 @@ class Experiment:
         if saved is None or saved["counts"] != self._partition_record()["counts"]:
             raise ConfigError(f"{self.run_dir}: the partition rebuilt from config.yaml differs from "
                               "partition.json (the code or data changed); start a new run instead")
-        return self.folder.resume_notes(ckpt.config, self.cfg, ckpt.notes, self.log)
+        return self.folder.resume_notes(ckpt.config, self.p.resolved, ckpt.notes, self.log)
 
     def _round(self, r: int, ctx: RunContext, method: Method, clients: Executor, global_w: torch.Tensor):
         cfg = self.cfg

@@ -25,12 +25,13 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import yaml
 
 import fedguide
-from fedguide.config import Config, build_config, config_differences, flat_keys, to_yaml
+from fedguide.config import (NAMED_SECTIONS, Config, ResolvedConfig, build_config, config_differences, flat_keys,
+                             to_yaml)
 from fedguide.core.atomic import remove_stale_temporaries, write_json, write_jsonl, write_text
 from fedguide.fl.run_lock import RunLock
 from fedguide.registry import ConfigError
@@ -55,9 +56,12 @@ UNPINNED = (("train", "device"), ("data", "on_device"), ("guidance", "device"), 
             ("guidance", "feature_cache"))
 
 
-def pinned_config(cfg: Config) -> dict[str, Any]:
+Settings = Union[Config, ResolvedConfig]
+
+
+def pinned_config(cfg: Settings) -> dict[str, Any]:
     """What a checkpoint pins: the resolved config without ``meta`` (versions, commit) and the device keys."""
-    raw = cfg.model_dump(mode="json")
+    raw = (cfg.config if isinstance(cfg, ResolvedConfig) else cfg).model_dump(mode="json")
     raw.pop("meta", None)
     raw.pop("logging", None)  # how a run is watched is not what it computes: a resume may change it
     raw.pop("report", None)
@@ -66,10 +70,30 @@ def pinned_config(cfg: Config) -> dict[str, Any]:
     return raw
 
 
-def unpinned_defaults(pinned: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+def default_keys(cfg: Settings) -> dict[str, Any]:
+    """Dotted keys -> defaults: the config's own, and, for a resolved config, every parameter's of the entries
+    its named sections name (a parameter a method gained since a run was pinned holds its default there)."""
+    out = flat_keys(pinned_config(Config()))
+    if not isinstance(cfg, ResolvedConfig):
+        return out
+    for section in (*NAMED_SECTIONS, "server_optimizer"):
+        parsed = getattr(cfg, section, None)
+        if parsed is None:
+            continue
+        try:
+            params = parsed.entry.params()
+        except ValueError:  # an entry with a required parameter has no default for it
+            continue
+        out.update(flat_keys(params.model_dump(mode="json"), f"{section}."))
+    return out
+
+
+def unpinned_defaults(pinned: dict[str, Any], now: dict[str, Any], defaults: Optional[dict[str, Any]] = None
+                      ) -> dict[str, Any]:
     """``now`` without the keys a checkpoint written by an older fedguide lacks where they hold their
-    default (a setting added since, such as train.precision: fp32, did not change that run)."""
-    defaults = flat_keys(pinned_config(Config()))
+    default (a setting added since, such as train.precision: fp32 or a method's new parameter, did not change
+    that run). ``defaults``: ``default_keys`` of the settings ``now`` was dumped from."""
+    defaults = defaults if defaults is not None else flat_keys(pinned_config(Config()))
     old = flat_keys(pinned)
     dropped = {k for k, v in flat_keys(now).items() if k not in old and defaults.get(k, object()) == v}
     out = copy.deepcopy(now)
@@ -80,6 +104,10 @@ def unpinned_defaults(pinned: dict[str, Any], now: dict[str, Any]) -> dict[str, 
             node = node[part]
         node.pop(last, None)
     return out
+
+
+def _config(cfg: Settings) -> Config:
+    return cfg.config if isinstance(cfg, ResolvedConfig) else cfg
 
 
 class HoldsRun(ConfigError):
@@ -99,10 +127,12 @@ class SettingsComparison:
         return not self.differences
 
 
-def compare_pinned(held: dict[str, Any], wanted: dict[str, Any], labels: tuple[str, str]) -> SettingsComparison:
+def compare_pinned(held: dict[str, Any], wanted: dict[str, Any], labels: tuple[str, str],
+                   defaults: Optional[dict[str, Any]] = None) -> SettingsComparison:
     """The one comparison behind ``resume`` and sweeps: every pinned key must agree except ``train.rounds``,
-    which the caller judges (a resume may raise it; a sweep with fewer rounds finds the run finished)."""
-    wanted = unpinned_defaults(held, wanted)
+    which the caller judges (a resume may raise it; a sweep with fewer rounds finds the run finished).
+    ``defaults``: ``default_keys`` of the settings ``wanted`` was dumped from."""
+    wanted = unpinned_defaults(held, wanted, defaults)
     held_rounds, wanted_rounds = held["train"]["rounds"], wanted["train"]["rounds"]
     aligned = {**wanted, "train": {**wanted["train"], "rounds": held_rounds}}
     return SettingsComparison(config_differences(held, aligned, labels, limit=20), held_rounds, wanted_rounds)
@@ -294,14 +324,14 @@ class RunFolder:
             return "stopped"
         return "unfinished"
 
-    def compare(self, cfg: Config, labels: tuple[str, str] = ("run folder", "this config")) -> SettingsComparison:
+    def compare(self, cfg: Settings, labels: tuple[str, str] = ("run folder", "this config")) -> SettingsComparison:
         """The folder's config.yaml against ``cfg``, pinned keys only (``compare_pinned``)."""
-        return compare_pinned(pinned_config(self.read_config()), pinned_config(cfg), labels)
+        return compare_pinned(pinned_config(self.read_config()), pinned_config(cfg), labels, default_keys(cfg))
 
-    def state_for(self, cfg: Config) -> State:
+    def state_for(self, cfg: Settings) -> State:
         """The state of the folder for a run of ``cfg``; a ConfigError when it holds a run of other settings."""
         if not (self.path / CONFIG_FILE).is_file():
-            return self.state(cfg.train.rounds)
+            return self.state(_config(cfg).train.rounds)
         try:
             comparison = self.compare(cfg, ("run folder", "this sweep"))
         except ConfigError as err:
@@ -310,7 +340,7 @@ class RunFolder:
         if not comparison.same:
             raise ConfigError(f"{self.path} holds a run of other settings:\n  " + "\n  ".join(comparison.differences)
                               + "\nrun the sweep with the settings it was started with, or choose another --out")
-        return self.state(cfg.train.rounds)
+        return self.state(_config(cfg).train.rounds)
 
     # ---- checks before a run ---------------------------------------------------------------------
     def rounds_kept(self) -> bool:
@@ -353,10 +383,11 @@ class RunFolder:
                               f"({err.filename or self.path}); choose another --out, a folder you can write to") \
                 from None
 
-    def check_pinned(self, pinned_checkpoint: Optional[dict[str, Any]], cfg: Config) -> SettingsComparison:
+    def check_pinned(self, pinned_checkpoint: Optional[dict[str, Any]], cfg: Settings) -> SettingsComparison:
         """Refuse a ``cfg`` (the folder's config.yaml) that no longer describes the checkpointed run: every pinned
         key must agree, and train.rounds may only be raised."""
-        comparison = compare_pinned(pinned_checkpoint, pinned_config(cfg), ("checkpoint", CONFIG_FILE))
+        comparison = compare_pinned(pinned_checkpoint, pinned_config(cfg), ("checkpoint", CONFIG_FILE),
+                                    default_keys(cfg))
         old, new = comparison.held_rounds, comparison.wanted_rounds
         if comparison.same and new >= old:
             return comparison
@@ -378,7 +409,7 @@ class RunFolder:
         if pinned is not None:
             self.check_pinned(pinned, cfg)
 
-    def resume_notes(self, pinned_checkpoint: Optional[dict[str, Any]], cfg: Config, notes: dict[str, Any],
+    def resume_notes(self, pinned_checkpoint: Optional[dict[str, Any]], cfg: Settings, notes: dict[str, Any],
                      log: Callable[[str], None]) -> dict[str, Any]:
         """Refuse a resume whose config.yaml no longer describes the checkpointed run; the run's notes, with
         ``rounds_raised_from`` when train.rounds was raised (the one change allowed)."""
