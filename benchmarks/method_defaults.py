@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
 from datetime import date
 from pathlib import Path
@@ -141,7 +142,12 @@ def main() -> None:
             runs = plan(config, names, args.seeds, args.out)
             for i, (folder, overrides) in enumerate(runs, 1):
                 print(f"[{i}/{len(runs)}] {config.stem}: {folder.name}", flush=True)
-                ensure_run(config, folder, overrides)
+                try:
+                    ensure_run(config, folder, overrides)
+                except subprocess.CalledProcessError as err:  # one method's failure leaves the others to run
+                    print(f"[{i}/{len(runs)}] {folder.name}: FAILED (exit {err.returncode}); the next invocation "
+                          "tries it again", flush=True)
+                    continue
                 write(RESULTS / f"{config.stem}.md", table(config, names, left, args.seeds, args.out))
         write(RESULTS / f"{config.stem}.md", table(config, names, left, args.seeds, args.out))
         print((RESULTS / f"{config.stem}.md").read_text())
