@@ -91,3 +91,17 @@ def test_a_regulariser_on_a_method_with_its_own_loop_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"regularizers \[dw\].*'FedRep' trains its clients in its own loop"):
         open_run(prepare(tiny_config(method={"name": "fedrep"}, regularizers=["dw"],
                                           model={"head_bias": False})), tmp_path)
+
+
+@pytest.mark.parametrize("method, regs, said", [
+    ("feddw", ["dw"], r"regularizers: \[dw\] would apply twice \(method 'FedDW' already trains with it\)"),
+    ("fedavg", ["dw", {"name": "dw", "mu": 0.5}], r"regularizers: \[dw\] would apply twice \(it is listed twice\)")])
+def test_a_regulariser_applied_twice_is_refused(tmp_path, method, regs, said):
+    """Two dw terms would share their records (dw.sl) and add the term twice without a word."""
+    from fedguide.fl.setup import open_run, prepare
+    from fedguide.registry import ConfigError
+    from tests.tiny import tiny_config
+
+    with pytest.raises(ConfigError, match=said):
+        open_run(prepare(tiny_config(method={"name": method}, regularizers=regs, model={"head_bias": False})),
+                 tmp_path)

@@ -81,6 +81,13 @@ def with_regularizers(method: Method, regularizers: list[Regularizer]) -> Method
         raise ConfigError(f"regularizers [{names}] add a term to the local loop's objective, but method "
                           f"'{type(method).__name__}' trains its clients in its own loop (Method.fit), where the "
                           "term has no place; remove the regularizers or choose a method trained by the local loop")
+    twice = sorted({r.name for r in regularizers} & {r.name for r in method.regularizers})
+    if twice or len({r.name for r in regularizers}) < len(regularizers):
+        # Two terms of one name would share their records (``<name>.<key>``) and silently add the term twice.
+        names = ", ".join(twice) or ", ".join(sorted({r.name for r in regularizers
+                                                      if sum(o.name == r.name for o in regularizers) > 1}))
+        where = f"method '{type(method).__name__}' already trains with it" if twice else "it is listed twice"
+        raise ConfigError(f"regularizers: [{names}] would apply twice ({where}); remove it from regularizers")
     method.regularizers = [*method.regularizers, *regularizers]
     return method
 

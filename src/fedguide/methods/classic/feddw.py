@@ -17,10 +17,12 @@ every 9 rounds is available as ``mu_decay_every: 9`` (off by default, as in the 
 
 Model (Sec. V-A): "all datasets use two fully connected layers as the mapping layers f_π and one fully
 connected layer as the classification layer f_ω. The size of vector passed to the classification layer
-for all models is 128." ``feddw`` therefore defaults the model to ``mapping: [128, 128]`` and
-``head_bias: false`` unless the config sets them; the first mapping layer's width is not stated (128
-here; the released code's models.py has 256, ``model.mapping: [256, 128]``). The ``dw`` regulariser on
-another method sets only the bias-free head, leaving that method's architecture as configured.
+for all models is 128." The mapping layers belong to the comparison, so the config sets them for every
+method compared (``model.mapping: [128, 128]`` in configs/feddw_fmnist.yaml and configs/paper/feddw_*; the
+first layer's width is not stated, the released code's models.py has 256: ``model.mapping: [256, 128]``).
+What FedDW itself needs, the bias-free classification layer, is a requirement (``model_requirements``): a
+config without ``model.head_bias: false`` is refused with that key named, for ``feddw`` and for the ``dw``
+regulariser on any other method; nothing about the network is changed by the method's name.
 """
 from __future__ import annotations
 
