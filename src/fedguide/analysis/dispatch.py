@@ -29,15 +29,16 @@ def analyze(run_dir: Path | str, figures: Optional[Sequence[str]] = None, points
     unknown = [f for f in figures or () if f not in FIGURES]
     if unknown:
         raise ConfigError(f"unknown figure(s) {unknown}; choose from {', '.join(ordered)}")
-    if points < 10:
-        raise ConfigError(f"points={points} is too few for a t-SNE; ask for at least 10")
+    if points < 1:
+        raise ConfigError(f"points={points}: ask for at least 1")
     run = AnalysisRun(run_dir)
     result = AnalysisResult(run.run_dir)
     names = list(dict.fromkeys(figures)) if figures else ordered
     todo = []
     for name in names:  # every refusal before the first figure is computed
         figure = FIGURES.get(name).obj()
-        reason = figure.applies(run)
+        reason = (f"points={points} is too few for it; ask for at least {figure.min_points}"
+                  if points < figure.min_points else figure.applies(run))
         if reason is None:
             todo.append((name, figure))
         elif figures:

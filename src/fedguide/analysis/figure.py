@@ -30,6 +30,8 @@ class Figure:
     # Place among the figures in ``fedguide analyze --help`` and when every figure is made (cheap and
     # general figures first); ties go by name.
     order: ClassVar[int] = 100
+    # The fewest sampled points the figure can be made from (t-SNE's perplexity needs more than a handful).
+    min_points: ClassVar[int] = 1
 
     def applies(self, run: AnalysisRun) -> Optional[str]:
         """None, or the sentence saying why the figure does not apply to ``run``. Cheap: every figure

@@ -45,6 +45,9 @@ def test_points_carry_their_domain_where_the_data_has_domains(feddifrc_run):
     assert data["domain_names"] == list(splits.domain_names) and data["seed"] == 3
 
 
-def test_too_few_points_is_refused(fedavg_run):
-    with pytest.raises(Exception, match="at least 10"):
+def test_too_few_points_is_refused_for_the_tsne_alone(fedavg_run):
+    with pytest.raises(Exception, match="--tsne does not apply .*points=3 is too few for it; ask for at least 10"):
         analyze(fedavg_run, ["tsne"], points=3)
+    result = analyze(fedavg_run, ["weight_norms"], points=3)  # a figure that samples no points is made
+    assert result.written["weight_norms"]
+    assert "points=3 is too few" in analyze(fedavg_run, points=3).skipped["tsne"]

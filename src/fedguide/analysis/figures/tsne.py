@@ -61,6 +61,7 @@ def silhouette(vectors: np.ndarray, labels: np.ndarray, metric: str) -> float | 
     summary="t-SNE of the final global model's features on a stratified test subset, by class (and domain)")
 class TSNE(Figure):
     order = 10
+    min_points = 10  # scikit-learn's perplexity (30 by default, lowered to fit) needs more than a handful
 
     def applies(self, run: AnalysisRun) -> Optional[str]:
         return None if run.trained else run.untrained_reason
