@@ -180,7 +180,11 @@ class GuidanceConfig(Strict):
     model: Optional[str] = Field(
         "embedded", description="SD-layout pipeline: 'embedded' (fedguide's own small trained models, offline), a "
                                 "hub id (runwayml/stable-diffusion-v1-5, stabilityai/stable-diffusion-2-1, "
-                                "stabilityai/stable-diffusion-2-1-unclip) or a local folder of the same layout")
+                                "stabilityai/stable-diffusion-2-1-unclip) or a local folder of the same layout; "
+                                "'oracle' is a diagnostic, never a default: a small CNN trained on the labels of "
+                                "the embedded models' pretraining pool serves its penultimate features as the "
+                                "guidance features (an upper bound for the feature-guided methods; image "
+                                "generation refused; guidance/oracle)")
     revision: Optional[str] = Field(None, description="hub revision (branch, tag or commit) of a hub id")
     image_encoder: Optional[str] = Field(
         None, description="CLIP image encoder: a hub id or folder of a CLIPModel (zero-shot available) or a "

@@ -30,13 +30,20 @@ def decoder_layer(level: int) -> str:
     return f"up.{level - 1}"
 
 
-def _module(unet, name: str):
+def layer_parts(name: str) -> tuple[str, int, bool]:
+    """(kind, block index, before the upsampler) of a layer name: ("mid", 0, False) for ``mid``."""
     m = _NAME.match(name)
     if m is None:
         raise ConfigError(f"unknown UNet layer '{name}'; use down.i, mid, up.i or up.i.pre")
     if name == "mid":
+        return "mid", 0, False
+    return m.group(1), int(m.group(2)), m.group(3) is not None
+
+
+def _module(unet, name: str):
+    kind, i, pre = layer_parts(name)
+    if kind == "mid":
         return unet.mid_block, False
-    kind, i, pre = m.group(1), int(m.group(2)), m.group(3) is not None
     blocks = unet.down_blocks if kind == "down" else unet.up_blocks
     if i >= len(blocks):
         raise ConfigError(f"UNet layer '{name}': this UNet has {len(blocks)} {kind} blocks (0..{len(blocks) - 1})")
@@ -91,7 +98,14 @@ def capture(unet, layers: Sequence[str], stop_early: bool = True) -> Iterator[di
 
 def unet_features(model, latents: torch.Tensor, t: torch.Tensor | int, context: torch.Tensor,
                   layers: Sequence[str], class_labels: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
-    """Activations [B, C_l, H_l, W_l] of ``layers`` for one UNet pass of ``model`` (a GuidanceModel)."""
+    """Activations [B, C_l, H_l, W_l] of ``layers`` for one pass of ``model``: a GuidanceModel's hooked UNet
+    (``hooked_features``), or the maps a source without a UNet computes under the same names (the oracle)."""
+    return model.block_maps(latents, t, context, layers, class_labels=class_labels)
+
+
+def hooked_features(model, latents: torch.Tensor, t: torch.Tensor | int, context: torch.Tensor,
+                    layers: Sequence[str], class_labels: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    """Activations of ``layers`` for one UNet pass of a GuidanceModel, read by forward hooks."""
     with capture(model.unet, layers) as out:
         try:
             model.eps(latents, t, context, class_labels=class_labels)

@@ -271,6 +271,13 @@ class GuidanceModel:
             raise ConfigError(f"image embeddings have {token.shape[-1]} dims, the context {context.shape[-1]}")
         return torch.cat([context[:, :-1], token[:, None]], dim=1), None
 
+    def block_maps(self, latents: torch.Tensor, t: torch.Tensor | int, context: torch.Tensor,
+                   layers: Sequence[str], class_labels: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+        """Activations of the UNet blocks ``layers`` (hooks.py names) for one pass; the pass stops after the last."""
+        from fedguide.guidance.hooks import hooked_features
+
+        return hooked_features(self, latents, t, context, layers, class_labels=class_labels)
+
     def eps(self, latents: torch.Tensor, t: torch.Tensor | int, context: torch.Tensor,
             class_labels: Optional[torch.Tensor] = None, **unet_kwargs: Any) -> torch.Tensor:
         """One UNet noise prediction ε_θ(x_t, t | context[, class labels])."""

@@ -94,6 +94,10 @@ def pipeline_facts(cfg) -> Optional[PipelineFacts]:
 
     if cfg.model is None:
         return None
+    from fedguide.guidance.oracle import INPUT_SIDE, NAME as ORACLE
+
+    if cfg.model == ORACLE:  # no VAE; trained at one size, like fedguide's own models
+        return PipelineFacts(vae_factor=1, pipeline_size=INPUT_SIDE, unclip=False, single_resolution=True)
     try:
         folder = resolve_source(cfg.model, cfg.revision, allow=CONFIG_FILES)
     except GuidanceLoadError:

@@ -18,7 +18,8 @@ This file holds
 - ``fit_sample``: the images a basis is fitted on: the public pool when ``data.public_fraction > 0``,
   else a seeded sample of the clients' training images (which then reach the server; the record says so);
 - ``GuidanceRecord``: ``<run dir>/guidance/<method>.json``, what a method's setup did (fit source,
-  extraction site, input size, seconds, cache folders), written by the first process to set the method up;
+  extraction site, input size, seconds, cache folders; with ``guidance.model: oracle``, the oracle's
+  network, pool and accuracies under ``guidance_source``), written by the first process to set the method up;
 - ``input_size``: the side images are resized to before the VAE, from a method's ``image_size`` (the
   rules are in guidance/pipeline_facts.py), checked when the method is built (``--dry-run``).
 
@@ -49,7 +50,7 @@ from fedguide.guidance.condition import inject
 from fedguide.guidance.features import DiffusionFeatures, sample_noise
 from fedguide.guidance.pipeline_facts import ImageSize, data_image_size, pipeline_facts
 from fedguide.guidance.progress import progress
-from fedguide.guidance.shared import guidance_pixels
+from fedguide.guidance.shared import guidance_pixels, source_record
 from fedguide.guidance.store import FeatureKey, FeatureStore
 from fedguide.registry import ConfigError
 
@@ -303,6 +304,7 @@ class GuidanceRecord:
     """``<run dir>/guidance/<method>.json``; only the first process to set the method up writes it."""
 
     def __init__(self, run, method: str):
+        self.run = run
         self.path = Path(run.run_dir) / "guidance" / f"{method}.json"
         self.first = not self.path.is_file()  # worker processes and resumed runs find it written
         self.data: dict[str, Any] = {"method": method}
@@ -315,6 +317,9 @@ class GuidanceRecord:
 
     def write(self) -> None:
         if self.first:
+            source = source_record(self.run.guidance, self.run)  # the oracle's network, pool and accuracies
+            if source is not None:
+                self.data["guidance_source"] = source
             self.data["setup_seconds"] = round(time.perf_counter() - self._t0, 3)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_json(self.path, self.data)

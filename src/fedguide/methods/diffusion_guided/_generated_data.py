@@ -295,10 +295,11 @@ class GeneratedData:
 
     def setup(self) -> dict:
         """Generates whatever images are missing; returns what the run's record notes."""
-        from fedguide.guidance.shared import class_prompts, guidance_model
+        from fedguide.guidance.shared import class_prompts, guidance_model, require_generation
         from fedguide.methods._synthetic import GenerationJob, SyntheticStore, check_image_data, generate_set
 
         run, p = self.run, self.params
+        require_generation(run.guidance, run.method_name)
         check_image_data(run.data.splits, run.method_name)
         model = guidance_model(run.guidance)
         store = SyntheticStore(self.folder)

@@ -65,7 +65,7 @@ class SDFeatureTargets:
                                                           prompt_maps, timed, training_rows)
 
         run = self.run
-        model = guidance_model(run.guidance)
+        model = guidance_model(run.guidance, run)
         if self.image_size is None:
             self.image_size = loaded_input_size(run, self.requested_size, FEDDIFRC_IMAGE_SIZE)
         feats = DiffusionFeatures(model, FeatureSpec(self.layers, t=0, noise_seed=self.seed,

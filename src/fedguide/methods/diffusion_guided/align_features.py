@@ -118,7 +118,7 @@ class AlignFeatures(Method):
             device = resolve_device(guidance.device)
             encoder = load_vit_encoder(p.encoder, None, device, resolve_dtype(guidance.dtype, device), p.pooling)
             return encoder, encoder.model_id
-        model = guidance_model(guidance)
+        model = guidance_model(guidance, self.run)
         if model.image_encoder is None:
             raise ConfigError("align_features needs an image encoder: the guidance pipeline has none; set "
                               "guidance.image_encoder to a CLIP hub id or folder, method.encoder to a ViTMAE or DINO "

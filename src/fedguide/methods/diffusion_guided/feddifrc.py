@@ -333,7 +333,7 @@ class FedDifRC(Method):
         """Loads the guidance model and feature store, settles the fused dims and draws the bases' fit sample,
         noting each in the run's guidance record."""
         p, run = self.params, self.run
-        model, store = guidance_model(run.guidance), feature_store(run.guidance)
+        model, store = guidance_model(run.guidance, run), feature_store(run.guidance)
         record = GuidanceRecord(run, "feddifrc")
         rebuild = run.guidance.rebuild and record.first
         layers = tuple(decoder_layer(level) for level in p.layers)

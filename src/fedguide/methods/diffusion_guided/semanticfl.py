@@ -190,7 +190,7 @@ class SemanticFL(Method):
         p, run = self.params, self.run
         if not (p.kd or p.con):
             return  # plain cross-entropy
-        model = guidance_model(run.guidance)
+        model = guidance_model(run.guidance, run)
         self.text = model.encode_text(tuple(class_prompts(run.data.splits.class_names))).pooled.float().cpu()
         if self.proj is None:  # a resumed run's server state is loaded after setup and replaces it
             self.proj = initial_projection(self.z_dim, self.text.shape[1], p.seed)

@@ -108,7 +108,7 @@ class FrozenFeatures:
     def model(self):
         from fedguide.guidance.shared import guidance_model
 
-        return guidance_model(self.cfg)
+        return guidance_model(self.cfg, self.run)
 
     @property
     def encoder(self):

@@ -245,7 +245,10 @@ class FedCADO(OneShotMethod):
         return needs_teachers or (self.guided and self.params.reuse_synthetic is None)
 
     def setup(self) -> None:
-        # before any client trains: generated images must be able to reach the classifiers
+        from fedguide.guidance.shared import require_generation
+
+        # before any client trains: the guidance source must generate, and its images reach the classifiers
+        require_generation(self.run.guidance, self.run.method_name)
         check_image_data(self.run.data.splits, self.run.method_name)
         super().setup()
 

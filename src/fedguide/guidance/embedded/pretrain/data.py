@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -24,18 +25,29 @@ class Pool:
     slices: list[dict]  # per dataset: name, public indices count, per-class counts, sha256 of indices
 
 
+def pool_indices(labels: np.ndarray, public_fraction: float, public_seed: int,
+                 max_per_class: Optional[int] = None) -> np.ndarray:
+    """Sorted training indices of one dataset's pool: its public pool of these settings, drawn as a run's
+    ``data.public_fraction`` draws it, at most ``max_per_class`` of each class (the oracle guidance source
+    learns from the same images)."""
+    from fedguide.data.federated import public_pool
+
+    idx = public_pool(labels, public_fraction, public_seed)
+    if max_per_class is not None:
+        y = labels[idx]
+        idx = np.sort(np.concatenate([idx[y == c][:max_per_class] for c in np.unique(y)]))
+    return idx
+
+
 def load_pool(settings: PretrainSettings) -> Pool:
     import fedguide.data.sources  # noqa: F401  (registers every source)
-    from fedguide.data.federated import public_pool
     from fedguide.data.sources.base import DATASETS as SOURCES
 
     images, labels, sources, prompts, slices = [], [], [], [], []
     for position, name in enumerate(DATASETS):
         splits = SOURCES.get(name).obj(SOURCES.parse_params(name, {}, "data"))
-        idx = public_pool(splits.train_y.numpy(), settings.public_fraction, settings.public_seed)
-        if settings.max_per_class is not None:
-            y = splits.train_y[idx].numpy()
-            idx = np.sort(np.concatenate([idx[y == c][:settings.max_per_class] for c in np.unique(y)]))
+        idx = pool_indices(splits.train_y.numpy(), settings.public_fraction, settings.public_seed,
+                           settings.max_per_class)
         x = splits.unit_images(splits.train_x[idx]) * 2 - 1
         x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False) if x.shape[-1] != 32 else x
         images.append(x.expand(-1, 3, -1, -1).contiguous())
