@@ -53,7 +53,22 @@ def test_a_damaged_chunk_of_a_reused_set_is_refused_naming_it(tmp_path):
     make_set(store, [])
     assert len(SyntheticStore.reused(str(tmp_path)).parts(0)) == 2
     flip_last_byte(store.chunk_path(0, 0))
-    with pytest.raises(ConfigError, match=r"reuse_synthetic: .*chunk_0000.safetensors cannot be trusted"):
+    with pytest.raises(ConfigError, match=r"synthetic set: .*chunk_0000.safetensors cannot be trusted.*"
+                                          r"reuse_synthetic"):
+        SyntheticStore.reused(str(tmp_path)).parts(0)
+
+
+def test_a_sealed_chunk_that_lost_its_metadata_digest_is_refused_not_read_as_an_older_one(tmp_path):
+    from safetensors import safe_open
+
+    store = SyntheticStore(tmp_path / "synthetic")
+    make_set(store, [])
+    path = store.chunk_path(0, 0)
+    with safe_open(str(path), "pt") as fh:
+        meta, tensors = dict(fh.metadata()), {k: fh.get_tensor(k) for k in fh.keys()}
+    del meta["metadata_sha256"]
+    save_file(tensors, path, metadata=meta)
+    with pytest.raises(ConfigError, match="cannot be trusted"):
         SyntheticStore.reused(str(tmp_path)).parts(0)
 
 

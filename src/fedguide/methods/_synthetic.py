@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from fedguide.core.atomic import write_atomic, write_json
-from fedguide.core.sealed import Opened, Unverified, load_sealed, read_metadata, save_sealed
+from fedguide.core.sealed import TENSORS_DIGEST, Opened, Unverified, load_sealed, read_metadata, save_sealed
 from fedguide.registry import ConfigError
 
 FOLDER = "synthetic"
@@ -223,8 +223,9 @@ CHUNK_KEYS = frozenset({"fingerprint", "client", "chunk", "first", "classes", "r
 
 
 def _older_chunk(metadata: dict[str, str]) -> bool:
-    """Chunks written before they were sealed (and one-file sets before chunking) are read, unverified."""
-    return True
+    """Chunks written before they were sealed (and one-file sets before chunking) are read, unverified: they
+    carry no digest at all (a sealed chunk that lost only its metadata digest is refused)."""
+    return TENSORS_DIGEST not in metadata
 
 
 class SyntheticStore:
@@ -284,12 +285,13 @@ class SyntheticStore:
 
     @staticmethod
     def _opened(path: Path) -> Opened:
-        """A chunk of a reused set, verified: one that does not verify is refused (it is another run's)."""
+        """A chunk read as it is (a reused set, an analysis), verified: one that does not verify is refused."""
         try:
             return load_sealed(path, CHUNK_KEYS, _older_chunk)
         except Unverified as err:
-            raise ConfigError(f"reuse_synthetic: {path} cannot be trusted: {err.reason}. Run the run that wrote "
-                              "the set again, or leave reuse_synthetic out to generate the set") from None
+            raise ConfigError(f"synthetic set: {path} cannot be trusted: {err.reason}. Run the run that wrote the "
+                              "set again (or, in a run that reuses it, leave reuse_synthetic out to generate "
+                              "the set)") from None
 
     def metadata(self, client_id: int) -> Optional[dict[str, str]]:
         """The metadata of the client's first chunk (its recipe and classes), verified."""
