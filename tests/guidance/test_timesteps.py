@@ -51,3 +51,14 @@ def test_the_embedded_pipeline_resolves_to_its_matched_step():
     assert pipeline_t("paper", model, None) == paper_matched_t(model.noise_scheduler.alphas_cumprod, 64) == 18
     # Read at 64 px the latents are 16 x 16: more positions, more noise.
     assert pipeline_t("paper", model, 64) == paper_matched_t(model.noise_scheduler.alphas_cumprod, 256) > 18
+
+
+@pytest.mark.parametrize("method", ["feddifrc", "semanticfl"])
+def test_t_zero_reads_clean_latents_and_a_negative_step_is_refused(method):
+    """t = 0 is a step of the timestep study (clean latents: features.py adds no noise at 0); below 0 is refused."""
+    from fedguide.methods import METHODS
+
+    params = METHODS.get(method).params
+    assert params(t=0).t == 0 and resolve_t(0, sd15_alphas_cumprod(), 64) == 0
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        params(t=-1)

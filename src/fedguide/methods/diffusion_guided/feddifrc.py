@@ -120,9 +120,10 @@ class FedDifRCParams(ProbeParams):
     tau: float = Field(0.06, gt=0.0, description="TDCL temperature (Fig. 6 right)")
     spread: Literal["normalized", "raw"] = Field(
         "normalized", description="U of Eq. 10 from distances of L2-normalised z and F (scale-free) or raw ones")
-    t: Union[Literal["paper"], Annotated[int, Field(ge=1)]] = Field(
+    t: Union[Literal["paper"], Annotated[int, Field(ge=0)]] = Field(
         "paper", description="NDCR noise timestep: paper = the paper's t = 150 on SD-1.5 at 224 px matched to this "
-                             "pipeline's latent size (guidance/timesteps.py); an integer is used as it is")
+                             "pipeline's latent size (guidance/timesteps.py); an integer is used as it is "
+                             "(0: clean latents, no noise)")
     layers: list[int] = Field([2, 3, 4], min_length=1, description="decoder layers L (1 = lowest resolution); "
                                                                    "one layer = Table 2's single-layer rows")
     dims: Optional[list[int]] = Field(None, description="per-layer PCA dims summing to d; null = d/2, d/4, ...")

@@ -89,10 +89,10 @@ class SemanticFLParams(BaseModel):
     kd_form: Literal["normalized", "raw"] = Field(
         "normalized", description="L_KD on L2-normalised visual features at temperature kd_tau, or Eq. 5 raw")
     kd_tau: float = Field(0.2, gt=0.0, description="kd_form=normalized: temperature of both softmaxes")
-    t: Union[Literal["paper"], Annotated[int, Field(ge=1)]] = Field(
+    t: Union[Literal["paper"], Annotated[int, Field(ge=0)]] = Field(
         "paper", description="noise timestep of the visual features (Eq. 2): paper = the paper's t = 150 on SD-1.5 "
                              "at 224 px matched to this pipeline's latent size (guidance/timesteps.py); an integer is "
-                             "used as it is")
+                             "used as it is (0: clean latents, no noise)")
     layers: list[str] = Field(default_factory=lambda: list(ALL_BLOCKS), min_length=1,
                               description="UNet blocks pooled and concatenated (Eq. 3)")
     visual_prompt: Literal["empty", "class"] = Field("empty", description="the UNet's text context for Eq. 3")
