@@ -63,6 +63,20 @@ def test_a_method_that_generates_images_is_refused_before_anything_trains(tmp_pa
     assert not (tmp_path / "cache" / "oracle").exists()  # no oracle was trained for it
 
 
+@pytest.mark.parametrize("method, options", [("fedcado", {}), ("sd_gen", {}), ("feddisc", {}), ("feddda", {}),
+                                             ("fedrcl", {"generated": {}})])
+def test_every_generating_method_is_refused_by_the_checks_a_dry_run_makes(tmp_path, fmnist_root, method, options):
+    """The refusal comes when the method is built (``fl.preflight.check``, behind ``--dry-run``), not in its
+    set-up after the run started; FedRCL only with its generated-data variant on."""
+    from fedguide.fl.preflight import check
+
+    cfg = oracle_config(fmnist_root, tmp_path / "cache", method=method, **options)
+    with pytest.raises(ConfigError, match=f"serves features only.*{method} generates them"):
+        check(cfg)
+    if method == "fedrcl":
+        check(oracle_config(fmnist_root, tmp_path / "cache", method="fedrcl"))  # no generation: it runs
+
+
 def test_zero_shot_on_the_oracle_is_the_pools_nearest_class_mean(tmp_path):
     """A frozen-encoder method on the oracle's image encoder, on digits_domains read at another size than the
     embedded models were pretrained at: the same draw of this run's images."""

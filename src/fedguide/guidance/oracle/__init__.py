@@ -8,7 +8,8 @@ the interface the methods already read (``GuidanceModel``'s text, image and bloc
 image encoder, the fused recipes and the feature store). FedDifRC, SemanticFL, align_features, FedRCL's
 SD alignment and the frozen-encoder methods (zero-shot, centroid fine-tuning, FedAvg-SM, SemiFL, RSCFed)
 run on it unchanged. A method that generates images (FedCADO, SD_Gen, FedDISC, FedDDA, FedRCL's
-generated data) is refused with a ConfigError: the oracle has no diffusion model to sample from.
+generated data) is refused with a ConfigError when the method is built, so ``--dry-run`` says so too: the
+oracle has no diffusion model to sample from.
 
 What it serves (its record in ``<run>/guidance/<method>.json`` under ``guidance_source`` says the same):
 - image features f(x): the network's penultimate layer (``OracleSettings.width`` units after ReLU) on the

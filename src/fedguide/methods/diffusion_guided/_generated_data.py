@@ -265,7 +265,13 @@ class GeneratedData:
         self.run, self.params = run, params
         self.folder = Path(folder) if folder is not None else Path(run.run_dir) / FOLDER
         self._pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        if self.mode == "random":  # found when the method is built (a dry run), not after the first generation
+        # Found when the method is built (a dry run), not after the first generation.
+        from fedguide.guidance.shared import require_generation
+        from fedguide.methods._synthetic import check_image_data
+
+        require_generation(run.guidance, run.method_name)
+        check_image_data(run.data.splits, run.method_name)
+        if self.mode == "random":
             check_blocks(params.n_block or run.num_clients, run.num_clients)
 
     @property
@@ -295,12 +301,10 @@ class GeneratedData:
 
     def setup(self) -> dict:
         """Generates whatever images are missing; returns what the run's record notes."""
-        from fedguide.guidance.shared import class_prompts, guidance_model, require_generation
-        from fedguide.methods._synthetic import GenerationJob, SyntheticStore, check_image_data, generate_set
+        from fedguide.guidance.shared import class_prompts, guidance_model
+        from fedguide.methods._synthetic import GenerationJob, SyntheticStore, generate_set
 
         run, p = self.run, self.params
-        require_generation(run.guidance, run.method_name)
-        check_image_data(run.data.splits, run.method_name)
         model = guidance_model(run.guidance)
         store = SyntheticStore(self.folder)
         prompts = class_prompts(run.data.splits.class_names, p.prompt)

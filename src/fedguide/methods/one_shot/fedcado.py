@@ -244,13 +244,14 @@ class FedCADO(OneShotMethod):
         needs_teachers = self.params.aggregation != "ft"
         return needs_teachers or (self.guided and self.params.reuse_synthetic is None)
 
-    def setup(self) -> None:
+    def __init__(self, params, run):
         from fedguide.guidance.shared import require_generation
 
-        # before any client trains: the guidance source must generate, and its images reach the classifiers
-        require_generation(self.run.guidance, self.run.method_name)
-        check_image_data(self.run.data.splits, self.run.method_name)
-        super().setup()
+        super().__init__(params, run)
+        # When the method is built (a dry run refuses too), before any client trains: the guidance source must
+        # generate, and its images reach the classifiers.
+        require_generation(run.guidance, run.method_name)
+        check_image_data(run.data.splits, run.method_name)
 
     # ---- round 1 ----------------------------------------------------------------------------------
     def one_shot(self, uploads):

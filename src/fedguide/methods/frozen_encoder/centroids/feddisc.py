@@ -274,10 +274,14 @@ class FedDISC(CentroidOneShot):
 
     paper = "https://arxiv.org/abs/2305.04063"
 
-    def setup(self):
+    def __init__(self, params, run):
         from fedguide.guidance.shared import require_generation
 
-        require_generation(self.run.guidance, "feddisc")  # the server generates: refused before any client works
+        super().__init__(params, run)
+        # The server generates: refused when the method is built (a dry run too), before any client works.
+        require_generation(run.guidance, "feddisc")
+
+    def setup(self):
         if self.params.client_labels == "own" and not self.run.data.clients_labeled:
             raise ConfigError("method.client_labels=own groups each client's samples by its own labels, but the "
                               "clients of this partition are unlabeled; use client_labels: pseudo or a labeled "
