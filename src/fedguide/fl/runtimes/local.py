@@ -82,6 +82,13 @@ def _next(tasks, parent: int) -> Any:
                 return None
 
 
+# What the fork server imports once for every worker it forks. Besides this module (torch), what every worker
+# imports anyway: the run's set-up and the methods, and torch._dynamo, which torch imports lazily at the first
+# optimiser step (torch._compile) and which was most of what a two-worker pool of a tiny run cost when each
+# worker imported it itself (benchmarks/pool_start.py). None of them starts a thread.
+FORKSERVER_PRELOAD = (__name__, "fedguide.fl.setup", "fedguide.fl.client_step", "fedguide.methods", "torch._dynamo")
+
+
 def worker_context():
     """Where worker processes come from: a fork server that has imported torch and fedguide once (each worker
     is then forked from it in a fraction of a second, and it has never run torch's thread pools, so forking it
@@ -90,7 +97,7 @@ def worker_context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])  # read when the fork server starts, ignored afterwards
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # read when the fork server starts, ignored afterwards
     return ctx
 
 
