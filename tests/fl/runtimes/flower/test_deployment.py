@@ -66,6 +66,29 @@ def test_runtime_config_refuses_what_a_deployment_cannot_use():
     assert FlowerParams().min_clients is None
 
 
+def test_the_local_supernode_is_retried_while_it_runs_and_not_once_it_exited():
+    """A transport error to the client's own SuperNode is retried (it may still be starting), but once its process
+    has exited the call gives up at once: before, a refused client waited RUNTIME_RETRY_S (20 s) before it could
+    report the refusal or start a new SuperNode."""
+    import httpx
+
+    calls = []
+
+    def flaky():
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise httpx.ConnectError("connection refused")
+        return "answered"
+
+    assert client_side._retry(lambda: True).invoke(flaky) == "answered"  # retried until it answers
+    assert len(calls) == 3
+    calls.clear()
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ConnectError):
+        client_side._retry(lambda: False).invoke(flaky)
+    assert len(calls) == 1 and time.monotonic() - t0 < 1.0
+
+
 def test_run_and_resume_point_a_flower_config_to_serve(tmp_path, capsys):
     from fedguide.cli import main
 

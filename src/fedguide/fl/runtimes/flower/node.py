@@ -191,15 +191,19 @@ def flower_client_app():
 
 
 # ---- the long-lived executor --------------------------------------------------------------------
-def _retry():
+def _retry(alive: Optional[Callable[[], bool]] = None):
+    """Transport errors to the local SuperNode retried for RUNTIME_RETRY_S, but not once its process has exited
+    (``alive`` False): its port is gone for good, and waiting out the retries held a client that a SuperLink
+    had refused (or whose SuperNode stopped) for the whole RUNTIME_RETRY_S before it could say so or replace it."""
     import httpx
     from flwr.supercore.retry import RetryInvoker, exponential
 
     return RetryInvoker(lambda: exponential(base_delay=0.2, max_delay=2), httpx.TransportError,
-                        max_tries=None, max_time=RUNTIME_RETRY_S, jitter=None)
+                        max_tries=None, max_time=RUNTIME_RETRY_S, jitter=None,
+                        should_giveup=None if alive is None else (lambda err: not alive()))
 
 
-def _runtime_client(address: str, token: Optional[str] = None):
+def _runtime_client(address: str, token: Optional[str] = None, alive: Optional[Callable[[], bool]] = None):
     from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
     from flwr.supercore.runtime import RuntimeHttpClient
 
@@ -207,7 +211,7 @@ def _runtime_client(address: str, token: Optional[str] = None):
     if token:
         interceptors.append(RuntimeTokenHttpInterceptor(token))
     return RuntimeHttpClient.from_server_address(server_address=address, insecure=True, root_certificates=None,
-                                                 interceptors=interceptors, retry_invoker=_retry())
+                                                 interceptors=interceptors, retry_invoker=_retry(alive))
 
 
 def _heartbeat(client) -> Callable[[], bool]:
@@ -269,14 +273,15 @@ def pull_task(client):
     return message, context, run
 
 
-def run_task(address: str, token: str) -> str:
-    """Run one task (one message) the SuperNode handed over; returns its message type."""
+def run_task(address: str, token: str, alive: Optional[Callable[[], bool]] = None) -> str:
+    """Run one task (one message) the SuperNode handed over; returns its message type. ``alive``: whether the
+    SuperNode's process still runs (no retries once it has exited)."""
     from flwr.app import Error, Message
     from flwr.common.constant import ErrorCode, SubStatus
     from flwr.supercore.heartbeat import HeartbeatSender
     from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
-    client = _runtime_client(address, token)
+    client = _runtime_client(address, token, alive)
     heartbeat = HeartbeatSender(_heartbeat(client))
     heartbeat.start()
     context, status, details, kind = None, SubStatus.FAILED, "the task did not finish", "?"
@@ -305,7 +310,10 @@ def serve_tasks(address: str, supernode, log: Callable[[str], None], stop: Optio
     from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=no-name-in-module
     from flwr.supercore.constant import TaskType
 
-    acquire = _runtime_client(address)
+    def alive() -> bool:
+        return supernode.poll() is None
+
+    acquire = _runtime_client(address, alive=alive)
     pause = POLL_MIN_S
     try:
         while stop is None or not stop.is_set():
@@ -321,7 +329,7 @@ def serve_tasks(address: str, supernode, log: Callable[[str], None], stop: Optio
             if res.HasField("task") and res.token:
                 t0 = time.perf_counter()
                 try:
-                    kind = run_task(address, res.token)
+                    kind = run_task(address, res.token, alive)
                     log(f"{kind} message answered in {time.perf_counter() - t0:.2f} s")
                 except Exception as err:  # e.g. the SuperNode went away mid-task; the server times it out
                     log(f"a message could not be answered: {type(err).__name__}: {err}")
