@@ -297,9 +297,10 @@ def test_deployment_on_localhost_matches_local_and_survives_a_killed_supernode(t
         assert summary["client_failures"] == [] and summary["workers"] == 3
         assert files(tmp_path / "run", "flower") == files(local_dir, "client_state")
 
-        # Run 2, same experiment; the runtime section (not part of the experiment) tolerates a loss.
+        # Run 2, same experiment; the runtime section (not part of the experiment) tolerates a loss. The round
+        # waits round_timeout for the killed client; the live ones, warm from run 1, answer in a fraction of a second.
         tolerant = build_config({**cfg.model_dump(mode="json"),
-                                 "runtime": {**raw["runtime"], "min_clients": 2, "round_timeout": 20}})
+                                 "runtime": {**raw["runtime"], "min_clients": 2, "round_timeout": 10}})
         before = train_messages_received(tmp_path / "client-2")
         outcome: dict = {}
 
