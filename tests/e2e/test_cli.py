@@ -113,7 +113,9 @@ def test_sweep_runs_every_combination_and_prints_a_table(tmp_path):
 def test_reuse_synthetic_flag_sets_the_method_option(tmp_path):
     cfg = tiny_config(tmp_path / "cfg.yaml")
     earlier = tmp_path / "earlier-run"
-    out = cli("run", str(cfg), "--dry-run", "method.name=sd_gen", "--reuse-synthetic", str(earlier))
+    # sd_gen hands generated images to classifiers in the data's pixel format: a source that declares it
+    out = cli("run", str(cfg), "--dry-run", "method.name=sd_gen", "data.name=digits_domains", "--reuse-synthetic",
+              str(earlier))
     resolved = yaml.safe_load(out.stdout.split("partition summary:")[0])
     assert resolved["method"]["reuse_synthetic"] == str(earlier)
     proc = cli("run", str(cfg), "--dry-run", "--reuse-synthetic", str(earlier), check=False)
