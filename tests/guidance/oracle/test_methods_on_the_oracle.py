@@ -77,7 +77,14 @@ def test_every_generating_method_is_refused_by_the_checks_a_dry_run_makes(tmp_pa
         check(oracle_config(fmnist_root, tmp_path / "cache", method="fedrcl"))  # no generation: it runs
 
 
-def test_zero_shot_on_the_oracle_is_the_pools_nearest_class_mean(tmp_path):
+@pytest.fixture(scope="module")
+def digits_cache(tmp_path_factory):
+    """One feature cache for this module's digits_domains runs: their oracle (same data, pool and settings) is
+    trained by the first and read back, sealed, by the others, as a user's second run reads it."""
+    return tmp_path_factory.mktemp("oracle-cache")
+
+
+def test_zero_shot_on_the_oracle_is_the_pools_nearest_class_mean(tmp_path, digits_cache):
     """A frozen-encoder method on the oracle's image encoder, on digits_domains read at another size than the
     embedded models were pretrained at: the same draw of this run's images."""
     from fedguide.config import build_config
@@ -87,7 +94,7 @@ def test_zero_shot_on_the_oracle_is_the_pools_nearest_class_mean(tmp_path):
 
     raw = tiny_raw({"data": {"name": "digits_domains", "image_size": 16, "per_class": 20, "fraction": 0.5},
                     "clients": {"num": 2, "per_round": 2}, "train": {"rounds": 1},
-                    "guidance": {"model": "oracle", "feature_cache": str(tmp_path / "cache")}},
+                    "guidance": {"model": "oracle", "feature_cache": str(digits_cache)}},
                    method={"name": "zero_shot"})
     raw["partition"] = {"name": "semi_supervised", "server_domain": "uci", "clients": "feature_skew"}
     cfg = build_config(raw)
@@ -98,14 +105,14 @@ def test_zero_shot_on_the_oracle_is_the_pools_nearest_class_mean(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["centroid_finetune", "fedavg_sm", "semifl", "rscfed"])
-def test_the_other_frozen_encoder_methods_run_on_the_oracles_image_encoder(tmp_path, method):
+def test_the_other_frozen_encoder_methods_run_on_the_oracles_image_encoder(tmp_path, method, digits_cache):
     """The module docstring's claim, method by method: each runs a round on the oracle's features."""
     from fedguide.config import build_config
     from tests.tiny import tiny_raw
 
     raw = tiny_raw({"data": {"name": "digits_domains", "image_size": 16, "per_class": 20, "fraction": 0.5},
                     "clients": {"num": 2, "per_round": 2}, "train": {"rounds": 1},
-                    "guidance": {"model": "oracle", "feature_cache": str(tmp_path / "cache")}},
+                    "guidance": {"model": "oracle", "feature_cache": str(digits_cache)}},
                    method={"name": method})
     raw["partition"] = {"name": "semi_supervised", "server_domain": "uci", "clients": "feature_skew"}
     summary, rows, _ = run_tiny(tmp_path, build_config(raw))
