@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.e2e.helpers import cli, metrics, popen, summary, tiny_config, weights
+from fedguide.cli import main
 from fedguide.config import load_config
 from fedguide.fl.engine import TIMING_METRICS, Experiment
 from fedguide.fl.setup import prepare
@@ -46,11 +47,12 @@ def test_killed_run_resumes_to_identical_result(tmp_path, method, kill_after):
     cfg = tiny_config(tmp_path / "cfg.yaml", method={"name": method})
     ref, killed = tmp_path / "ref", tmp_path / "killed"
     # The uninterrupted reference in this process (`fedguide run` is this call behind its arguments); the
-    # killed run and its resume are processes of their own, as a user's would be.
+    # killed run is a process of its own, as a user's would be, and `fedguide resume` continues what it left
+    # on disk (in this process: its command line's code, without another interpreter's start-up).
     Experiment(prepare(load_config(cfg)), ref, log=lambda s: None).run()
     done = _kill_after(cfg, killed, kill_after)
     assert done >= kill_after
-    cli("resume", str(killed), "--quiet")
+    assert main(["resume", str(killed), "--quiet"]) == 0
 
     a, b = summary(ref), summary(killed)
     for key in ("accuracy_curve", "final_accuracy", "best_accuracy", "best_round", "bytes_up_total"):
@@ -63,12 +65,13 @@ def test_killed_run_resumes_to_identical_result(tmp_path, method, kill_after):
 
 
 @pytest.mark.e2e
-def test_resume_of_a_complete_run_changes_nothing(tmp_path):
+def test_resume_of_a_complete_run_changes_nothing(tmp_path, capsys):
     cfg = tiny_config(tmp_path / "cfg.yaml", train={"rounds": 2})
     run = tmp_path / "run"
-    cli("run", str(cfg), "--out", str(run), "--quiet")
+    assert main(["run", str(cfg), "--out", str(run), "--quiet"]) == 0
     before = (run / "summary.json").read_text()
-    out = cli("resume", str(run))
+    capsys.readouterr()
+    out = cli("resume", str(run))  # a process of its own: what a user types
     assert "already complete" in out.stdout
     assert (run / "summary.json").read_text() == before
 
@@ -77,7 +80,7 @@ def test_resume_of_a_complete_run_changes_nothing(tmp_path):
 def test_run_refuses_to_overwrite_an_existing_run(tmp_path):
     cfg = tiny_config(tmp_path / "cfg.yaml", train={"rounds": 1})
     run = tmp_path / "run"
-    cli("run", str(cfg), "--out", str(run), "--quiet")
+    assert main(["run", str(cfg), "--out", str(run), "--quiet"]) == 0
     before = (run / "metrics.jsonl").read_text()
     proc = cli("run", str(cfg), "--out", str(run), check=False)
     assert proc.returncode == 2
