@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests import python_env
-from tests.e2e.helpers import REPO, cli, metrics, summary, tiny_config
+from tests.e2e.helpers import REPO, metrics, summary, tiny_config
+from fedguide.cli import main
 from tests.tiny import without_timing
 from fedguide.config import load_config
 from fedguide.fl.engine import Experiment
@@ -33,23 +34,26 @@ def wait_for_rounds(run_dir, rounds: int, proc, timeout: float = 120) -> None:
 
 
 @pytest.mark.e2e
-def test_a_second_process_on_a_busy_run_folder_is_refused(tmp_path):
+def test_a_second_process_on_a_busy_run_folder_is_refused(tmp_path, capsys):
+    # The command line in this process (its code, without another interpreter's start-up); the lock's holder
+    # is a process of its own.
     cfg = tiny_config(tmp_path / "cfg.yaml")
     run_dir = tmp_path / "run"
-    cli("run", str(cfg), "--out", str(run_dir), "--quiet", "train.rounds=2")
+    assert main(["run", str(cfg), "--out", str(run_dir), "--quiet", "train.rounds=2"]) == 0
     (run_dir / "summary.json").unlink()  # as if it were still running, held by another process:
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom fedguide.fl.run_lock import RunLock\n"
                                f"with RunLock({str(run_dir)!r}):\n    print('held', flush=True)\n    time.sleep(600)"],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        resumed = cli("resume", str(run_dir), "--quiet", check=False)
-        assert resumed.returncode == 2
-        assert f"in use by another fedguide process (pid {holder.pid})" in resumed.stderr, resumed.stderr
+        capsys.readouterr()
+        assert main(["resume", str(run_dir), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert f"in use by another fedguide process (pid {holder.pid})" in err, err
     finally:
         holder.kill()
         holder.wait()
-    cli("resume", str(run_dir), "--quiet")  # the lock went with its holder
+    assert main(["resume", str(run_dir), "--quiet"]) == 0  # the lock went with its holder
 
 
 @pytest.mark.e2e
@@ -65,7 +69,7 @@ def test_sigterm_ends_a_pool_run_like_ctrl_c_and_it_resumes(tmp_path):
     assert proc.returncode == 130, (out, err)
     assert f"interrupted; continue with: fedguide resume {run_dir}" in out
     assert "leaked semaphore" not in err and "Traceback" not in err, err
-    cli("resume", str(run_dir), "--quiet")
+    assert main(["resume", str(run_dir), "--quiet"]) == 0
     assert summary(run_dir)["rounds"] == 6
 
 
@@ -81,7 +85,8 @@ ensure_run(sys.argv[1], Path(sys.argv[2]), [])
 def test_sigterm_to_a_benchmark_suite_stops_its_run_and_leaves_it_resumable(tmp_path):
     """``kill <suite pid>`` reaches the suite's ``fedguide run`` child: it stops as after Ctrl-C instead of
     running on alone with its folder locked."""
-    cfg = tiny_config(tmp_path / "cfg.yaml", train={"rounds": 100})
+    # Rounds enough to be running when the signal arrives (it is sent as round 1 lands), few enough to resume.
+    cfg = tiny_config(tmp_path / "cfg.yaml", train={"rounds": 30})
     run_dir = tmp_path / "run"
     suite = subprocess.Popen([sys.executable, "-c", SUITE, str(cfg), str(run_dir)], cwd=REPO, env=python_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -95,8 +100,8 @@ def test_sigterm_to_a_benchmark_suite_stops_its_run_and_leaves_it_resumable(tmp_
     with pytest.raises(ProcessLookupError):  # gone, and reaped by the suite
         os.kill(child, 0)
     assert not (run_dir / "summary.json").exists()
-    cli("resume", str(run_dir), "--quiet")  # the lock went with the run
-    assert summary(run_dir)["rounds"] == 100
+    assert main(["resume", str(run_dir), "--quiet"]) == 0  # the lock went with the run
+    assert summary(run_dir)["rounds"] == 30
 
 
 def in_child(work) -> int:
