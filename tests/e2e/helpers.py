@@ -30,6 +30,24 @@ def cli(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
     return proc
 
 
+def cli_here(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """``cli`` in this process: the command line's own code (``fedguide.cli.main``) with its output captured, without
+    the 3-4 s of another interpreter importing torch. For what the process boundary does not change (parsing,
+    validation, dry runs, errors, sweeps); `fedguide` as a process of its own stays ``cli``."""
+    import contextlib
+    import io
+
+    from fedguide.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    proc = subprocess.CompletedProcess(["fedguide", *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"fedguide {' '.join(args)} failed ({code}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
 def popen(*args: str) -> subprocess.Popen:
     env = {**os.environ, "FEDGUIDE_OFFLINE": "1"}
     return subprocess.Popen([sys.executable, "-m", "fedguide.cli", *args], cwd=REPO, env=env,

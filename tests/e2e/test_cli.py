@@ -1,4 +1,5 @@
-"""The command line end to end: the smoke config on real Fashion-MNIST, listing, dry runs, errors."""
+"""The command line end to end: the smoke config on real Fashion-MNIST and the listing as processes of their own;
+dry runs, errors and sweeps through the command line's code in this process (``cli_here``)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from tests.e2e.helpers import REPO, cli, metrics, summary, tiny_config
+from tests.e2e.helpers import REPO, cli, cli_here, metrics, summary, tiny_config
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -71,7 +72,7 @@ def test_list_json_names_every_registry():
 
 def test_dry_run_validates_and_trains_nothing(tmp_path):
     cfg = tiny_config(tmp_path / "cfg.yaml")
-    out = cli("run", str(cfg), "--dry-run", "--out", str(tmp_path / "run"), "method.name=fedprox", "method.mu=0.5")
+    out = cli_here("run", str(cfg), "--dry-run", "--out", str(tmp_path / "run"), "method.name=fedprox", "method.mu=0.5")
     resolved = yaml.safe_load(out.stdout.split("partition summary:")[0])
     assert resolved["method"] == {"name": "fedprox", "mu": 0.5, "gradient": "direct"}
     assert "# train.augment: one of none, crop, crop_flip, autoaugment\n" in out.stdout  # the choices, as comments
@@ -95,7 +96,7 @@ def test_dry_run_validates_and_trains_nothing(tmp_path):
 )
 def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path, override, expected):
     cfg = tiny_config(tmp_path / "cfg.yaml")
-    proc = cli("run", str(cfg), "--out", str(tmp_path / "run"), override, check=False)
+    proc = cli_here("run", str(cfg), "--out", str(tmp_path / "run"), override, check=False)
     assert proc.returncode == 2, proc.stderr
     assert expected in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -103,7 +104,7 @@ def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path, override, expected
 
 def test_sweep_runs_every_combination_and_prints_a_table(tmp_path):
     cfg = tiny_config(tmp_path / "cfg.yaml", train={"rounds": 2})
-    out = cli("run", str(cfg), "--out", str(tmp_path / "sweep"), "--quiet",
+    out = cli_here("run", str(cfg), "--out", str(tmp_path / "sweep"), "--quiet",
               "--sweep", "method.name=fedavg,fedprox", "--sweep", "seed=0,1")
     runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if (p / "summary.json").exists())
     assert runs == ["name=fedavg-seed=0", "name=fedavg-seed=1", "name=fedprox-seed=0", "name=fedprox-seed=1"]
@@ -114,17 +115,17 @@ def test_reuse_synthetic_flag_sets_the_method_option(tmp_path):
     cfg = tiny_config(tmp_path / "cfg.yaml")
     earlier = tmp_path / "earlier-run"
     # sd_gen hands generated images to classifiers in the data's pixel format: a source that declares it
-    out = cli("run", str(cfg), "--dry-run", "method.name=sd_gen", "data.name=digits_domains", "--reuse-synthetic",
+    out = cli_here("run", str(cfg), "--dry-run", "method.name=sd_gen", "data.name=digits_domains", "--reuse-synthetic",
               str(earlier))
     resolved = yaml.safe_load(out.stdout.split("partition summary:")[0])
     assert resolved["method"]["reuse_synthetic"] == str(earlier)
-    proc = cli("run", str(cfg), "--dry-run", "--reuse-synthetic", str(earlier), check=False)
+    proc = cli_here("run", str(cfg), "--dry-run", "--reuse-synthetic", str(earlier), check=False)
     assert proc.returncode == 2 and "reuse_synthetic" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_dry_run_sweep_labels_each_combination_and_takes_list_values(tmp_path):
     cfg = tiny_config(tmp_path / "cfg.yaml")
-    out = cli("run", str(cfg), "--dry-run", "--out", str(tmp_path / "sweep"),
+    out = cli_here("run", str(cfg), "--dry-run", "--out", str(tmp_path / "sweep"),
               "--sweep", "model.mapping=[[16], []]", "--sweep", "seed=0,1")
     blocks = out.stdout.split("# sweep run ")[1:]
     assert len(blocks) == 4 and not (tmp_path / "sweep").exists()
@@ -140,7 +141,7 @@ def test_dry_run_sweep_labels_each_combination_and_takes_list_values(tmp_path):
 def test_sweep_checks_every_combination_before_the_first_run(tmp_path):
     cfg = tiny_config(tmp_path / "cfg.yaml")
     # fedprox comes first and would run before fedavg failed on mu, were the combinations not all checked first
-    proc = cli("run", str(cfg), "--out", str(tmp_path / "sweep"), "method.mu=0.5",
+    proc = cli_here("run", str(cfg), "--out", str(tmp_path / "sweep"), "method.mu=0.5",
                "--sweep", "method.name=fedprox,fedavg", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "1 of 2 sweep combinations are invalid, so none ran" in proc.stderr
@@ -162,7 +163,7 @@ def test_a_sweep_run_again_skips_finished_runs_and_continues_the_unfinished_one(
     finished = (parent / "seed=0" / "summary.json").read_bytes()
     assert not (parent / "seed=1" / "summary.json").exists() and len(metrics(parent / "seed=1")) == 1
 
-    out = cli("run", str(cfg), "--out", str(parent), "--quiet", "--sweep", "seed=[0, 1]")
+    out = cli_here("run", str(cfg), "--out", str(parent), "--quiet", "--sweep", "seed=[0, 1]")
     assert "[1/2] seed=0: finished before, skipped" in out.stdout
     assert "[2/2] seed=1: continuing" in out.stdout
     assert (parent / "seed=0" / "summary.json").read_bytes() == finished
