@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from tests.e2e.helpers import cli, metrics, summary
+from tests.e2e.helpers import cli_here, metrics, summary
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -24,7 +24,7 @@ def test_domain_partition_reports_per_domain_accuracy(tmp_path):
         "train": {"rounds": 2, "epochs": 1, "batch_size": 32, "lr": 0.05},
     }))
     run = tmp_path / "run"
-    cli("run", str(cfg), "--quiet", "--out", str(run))
+    cli_here("run", str(cfg), "--quiet", "--out", str(run))
 
     part = json.loads((run / "partition.json").read_text())
     assert part["domain_names"] == ["uci", "fonts", "mnistm_like"]
@@ -38,7 +38,7 @@ def test_domain_partition_reports_per_domain_accuracy(tmp_path):
     assert s["domain_accuracy"] == rows[-1]["domain_accuracy"]
 
     report = tmp_path / "report"
-    cli("report", str(run), "--out", str(report))
+    cli_here("report", str(run), "--out", str(report))
     text = (report / "report.md").read_text()
     assert "Per-domain test accuracy" in text
     header = next(line for line in text.splitlines() if line.startswith("| method | partition |"))
