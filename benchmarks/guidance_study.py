@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -126,7 +127,11 @@ def run_all(variants: list[Variant], config: Path, seeds: list[int], root: Path,
             if execute and not (folder / "summary.json").is_file():
                 print(f"{v.label} seed {seed}: {'continuing' if (folder / 'config.yaml').is_file() else 'starting'} "
                       f"({datetime.now().strftime('%H:%M')})", flush=True)
-                ensure_run(config, folder, [f"seed={seed}", *VALIDATION, *v.overrides()])
+                try:
+                    ensure_run(config, folder, [f"seed={seed}", *VALIDATION, *v.overrides()])
+                except subprocess.CalledProcessError as err:  # e.g. in use by another process: the others go on
+                    print(f"{v.label} seed {seed}: FAILED (exit {err.returncode}); the next invocation tries it again",
+                          flush=True)
             if (folder / "summary.json").is_file():
                 out.setdefault(v, []).append(load_run(folder))
     return out
