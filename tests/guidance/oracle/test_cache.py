@@ -72,3 +72,18 @@ def test_the_key_names_the_pool_and_the_settings(tmp_path, fmnist_root):
     assert key["dataset"] == "fmnist" and "root" not in key["data"]
     assert key["pool"]["source"] == "embedded_pretraining_pool" and len(key["pool"]["indices_sha256"]) == 64
     assert key["settings"] == json.loads(json.dumps(QUICK.as_dict()))
+
+
+def test_a_run_draws_its_pool_once_however_often_a_method_looks_the_oracle_up(tmp_path, fmnist_root, monkeypatch):
+    """A frozen image encoder reaches the oracle on every batch: the run's pool and key are computed once."""
+    import fedguide.guidance.oracle.loading as loading
+
+    drawn = []
+    real = loading.oracle_pool
+    monkeypatch.setattr(loading, "oracle_pool", lambda run: drawn.append(run) or real(run))
+    cfg = oracle_config(fmnist_root, tmp_path / "cache")
+    run = opened_run(cfg, tmp_path / "a")
+    first = oracle_model(cfg.guidance, run, QUICK)
+    assert all(oracle_model(cfg.guidance, run, QUICK) is first for _ in range(5)) and len(drawn) == 1
+    other = opened_run(cfg, tmp_path / "b")  # another run: its own pool draw, the same oracle
+    assert oracle_model(cfg.guidance, other, QUICK) is first and len(drawn) == 2

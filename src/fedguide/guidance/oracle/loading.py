@@ -4,8 +4,10 @@ and written to both. ``guidance.rebuild`` trains it again unless the run already
 first process of the run made that one)."""
 from __future__ import annotations
 
+import json
 import logging
 import time
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -30,14 +32,26 @@ ROLE = ("diagnostic upper bound, not a diffusion model: the best features the em
 _ORACLES: dict[tuple, tuple[OracleGuidance, TrainedOracle]] = {}
 
 
+# The key of each run's oracle, by the run's id (with a reference to check it is still that run): methods look
+# the oracle up per batch (a frozen image encoder's every call), and drawing the pool and hashing its indices
+# each time was work repeated on that path. A run's data, pool and settings do not change under it.
+_RUN_KEYS: dict[tuple, tuple[weakref.ref, tuple[str, dict, tuple, OraclePool]]] = {}
+
+
 def _memo_key(cfg, run, settings: OracleSettings) -> tuple[str, dict, tuple, OraclePool]:
     """(key digest, key, this process's memo key, pool) of the run's oracle."""
     from fedguide.guidance.components import resolve_device
 
+    lookup = (id(run), str(cfg.device), str(cfg.cache_dir()), json.dumps(settings.as_dict(), sort_keys=True))
+    found = _RUN_KEYS.get(lookup)
+    if found is not None and found[0]() is run:
+        return found[1]
     pool = oracle_pool(run)
     key = oracle_key(run, pool, settings)
     digest = key_digest(key)
-    return digest, key, (digest, str(resolve_device(cfg.device)), str(cfg.cache_dir())), pool
+    result = digest, key, (digest, str(resolve_device(cfg.device)), str(cfg.cache_dir())), pool
+    _RUN_KEYS[lookup] = (weakref.ref(run), result)
+    return result
 
 
 def _check(cfg, run) -> None:
@@ -116,3 +130,4 @@ def loaded_oracle(cfg, run) -> Optional[OracleGuidance]:
 def forget_oracles() -> None:
     """Drops this process's oracles (the next load reads the run copy or the cache, or trains)."""
     _ORACLES.clear()
+    _RUN_KEYS.clear()

@@ -46,8 +46,7 @@ def embedded_pool_settings() -> dict:
 
 @functools.lru_cache(maxsize=1)
 def _recorded_pool_settings() -> tuple:
-    # Read once per process: methods look the oracle up per batch (an image encoder's every call), and the
-    # shipped card does not change under a run.
+    # Read once per process: the shipped card does not change under a run.
     from fedguide.guidance.embedded import SHIPPED
     from fedguide.guidance.embedded.pretrain.card import card_settings
     from fedguide.guidance.embedded.pretrain.settings import PretrainSettings
