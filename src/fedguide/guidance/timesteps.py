@@ -27,9 +27,16 @@ RULE = ("t: paper = the step whose SNR is nearest (log SNR) to SD-1.5's SNR at t
         "pipeline's latent positions): the resolution shift of Hoogeboom et al. 2023, Sec. 3.1")
 
 
+# SD-1.5's training schedule, as its scheduler config states it (the embedded models train on it too).
+SD15_SCHEDULE = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
+                 "beta_end": 0.012}
+
+
 def sd15_alphas_cumprod() -> torch.Tensor:
-    """SD-1.5's training schedule (its scheduler config: scaled_linear, 0.00085 to 0.012, 1000 steps)."""
-    betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000, dtype=torch.float64) ** 2
+    """SD-1.5's alpha-bar over its 1000 steps (scaled_linear: betas linear in sqrt), in float64."""
+    s = SD15_SCHEDULE
+    betas = torch.linspace(s["beta_start"] ** 0.5, s["beta_end"] ** 0.5, s["num_train_timesteps"],
+                           dtype=torch.float64) ** 2
     return torch.cumprod(1.0 - betas, dim=0)
 
 

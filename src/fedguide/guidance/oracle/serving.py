@@ -37,7 +37,9 @@ def prompt_class(prompt: str, class_names: Sequence[str]) -> Optional[int]:
 def _schedule():
     from diffusers import DDPMScheduler
 
-    return DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    from fedguide.guidance.timesteps import SD15_SCHEDULE
+
+    return DDPMScheduler(**SD15_SCHEDULE)
 
 
 class OracleGuidance:
