@@ -7,7 +7,6 @@ is a few thousand images at most, and training must take seconds to a minute on 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fedguide.guidance.oracle import INPUT_SIDE
@@ -15,14 +14,13 @@ from fedguide.registry import ConfigError
 
 
 def oracle_input(x: torch.Tensor) -> torch.Tensor:
-    """Images in [-1, 1] ([B, 1 or 3, H, W]) as the oracle reads them: float32 RGB, ``INPUT_SIDE`` square,
-    resized as the embedded models' pretraining resizes its pool (bilinear, corners not aligned)."""
+    """Images in [-1, 1] ([B, 1 or 3, H, W]) as the oracle reads them: as the embedded models' pretraining reads
+    its pool (float32 RGB, ``INPUT_SIDE`` square)."""
+    from fedguide.guidance.embedded.pretrain.data import rgb_input
+
     if x.ndim != 4 or x.shape[1] not in (1, 3):
         raise ConfigError(f"images must be [B, 1 or 3, H, W] in [-1, 1], got shape {tuple(x.shape)}")
-    x = x.float()
-    if tuple(x.shape[-2:]) != (INPUT_SIDE, INPUT_SIDE):
-        x = F.interpolate(x, size=(INPUT_SIDE, INPUT_SIDE), mode="bilinear", align_corners=False)
-    return x.expand(-1, 3, -1, -1).contiguous()
+    return rgb_input(x, INPUT_SIDE)
 
 
 class OracleNet(nn.Module):

@@ -12,7 +12,6 @@ many is recorded (``clients_hold``).
 from __future__ import annotations
 
 import functools
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +27,9 @@ class OraclePool:
 
     @property
     def sha256(self) -> str:
-        return hashlib.sha256(np.ascontiguousarray(self.indices, dtype=np.int64).tobytes()).hexdigest()
+        from fedguide.guidance.embedded.pretrain.data import indices_sha256
+
+        return indices_sha256(self.indices)
 
     def describe(self) -> str:
         where = {"embedded_pretraining_pool": "the embedded guidance models' pretraining pool",

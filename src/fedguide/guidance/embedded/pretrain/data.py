@@ -39,6 +39,20 @@ def pool_indices(labels: np.ndarray, public_fraction: float, public_seed: int,
     return idx
 
 
+def indices_sha256(indices: np.ndarray) -> str:
+    """The digest a pool's indices are recorded under (the model card's slices, the oracle's key)."""
+    return hashlib.sha256(np.asarray(indices, np.int64).tobytes()).hexdigest()
+
+
+def rgb_input(x: torch.Tensor, side: int = 32) -> torch.Tensor:
+    """Images in [-1, 1] ([B, 1 or 3, H, W]) as the embedded models (and the oracle) read them: float32 RGB,
+    ``side`` square, resized bilinearly with corners not aligned."""
+    x = x.float()
+    if tuple(x.shape[-2:]) != (side, side):
+        x = F.interpolate(x, size=(side, side), mode="bilinear", align_corners=False)
+    return x.expand(-1, 3, -1, -1).contiguous()
+
+
 def load_pool(settings: PretrainSettings) -> Pool:
     import fedguide.data.sources  # noqa: F401  (registers every source)
     from fedguide.data.sources.base import DATASETS as SOURCES
@@ -48,16 +62,14 @@ def load_pool(settings: PretrainSettings) -> Pool:
         splits = SOURCES.get(name).obj(SOURCES.parse_params(name, {}, "data"))
         idx = pool_indices(splits.train_y.numpy(), settings.public_fraction, settings.public_seed,
                            settings.max_per_class)
-        x = splits.unit_images(splits.train_x[idx]) * 2 - 1
-        x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False) if x.shape[-1] != 32 else x
-        images.append(x.expand(-1, 3, -1, -1).contiguous())
+        images.append(rgb_input(splits.unit_images(splits.train_x[idx]) * 2 - 1))
         labels.append(splits.train_y[idx] + len(prompts))
         sources.append(torch.full((len(idx),), position, dtype=torch.long))
         prompts += [PROMPT.format(c.lower()) for c in splits.class_names]
         slices.append({"dataset": name, "public_fraction": settings.public_fraction,
                        "public_seed": settings.public_seed, "images": int(len(idx)),
                        "per_class": np.bincount(splits.train_y[idx].numpy()).tolist(),
-                       "indices_sha256": hashlib.sha256(np.asarray(idx, np.int64).tobytes()).hexdigest()})
+                       "indices_sha256": indices_sha256(idx)})
     return Pool(torch.cat(images), torch.cat(labels), torch.cat(sources), prompts, slices)
 
 
