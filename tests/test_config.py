@@ -65,6 +65,7 @@ def test_load_config_applies_overrides(tmp_path):
     path = write_yaml(tmp_path / "c.yaml", {"train": {"rounds": 3}})
     cfg = load_config(path, ["train.rounds=7", "seed=5"])
     assert cfg.train.rounds == 7 and cfg.seed == 5
+    assert load_config(str(path), ["train.rounds=7", "seed=5"]) == cfg  # a path given as a string, as in a notebook
 
 
 def test_missing_config_file(tmp_path):

@@ -449,7 +449,8 @@ def _format_errors(err: ValidationError) -> str:
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
-def load_raw(path: Path) -> dict[str, Any]:
+def load_raw(path: Path | str) -> dict[str, Any]:
+    path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} not found; pass a YAML file such as configs/smoke.yaml")
     try:
@@ -474,7 +475,7 @@ def build_config(raw: dict[str, Any]) -> Config:
         raise ConfigError(_format_errors(err)) from None
 
 
-def load_config(path: Path, overrides: list[str] | None = None) -> Config:
+def load_config(path: Path | str, overrides: list[str] | None = None) -> Config:
     return build_config(apply_overrides(load_raw(path), overrides or []))
 
 
