@@ -11,10 +11,12 @@ import os
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import yaml
@@ -302,6 +304,27 @@ def test_a_refused_client_retries_for_connect_timeout_then_names_the_refusal(tmp
 
 
 # ---- deployments on localhost ---------------------------------------------------------------------
+def in_thread(work: Callable[[], Any], timeout: float = 240) -> Callable[[], Any]:
+    """Start ``work`` in a thread; the returned call waits for it and returns its result or raises its error."""
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["result"] = work()
+        except BaseException as err:  # raised in the caller's thread
+            box["error"] = err
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+
+    def result():
+        thread.join(timeout)
+        assert not thread.is_alive(), f"still running after {timeout} s"
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+    return result
+
+
 def _post(url: str, ca: str, forwarded_for: str = "") -> int:
     request = urllib.request.Request(url, data=b"", method="POST",
                                      headers={"X-Forwarded-For": forwarded_for} if forwarded_for else {})
@@ -356,6 +379,8 @@ def test_over_tls_with_authentication_only_registered_clients_join_and_the_run_i
         clients = [intruder, keyless]
         clients += [start_client(tmp_path, cid, tmp_path / "client.yaml", [f"runtime.auth.private_key={keys[cid][0]}"])
                     for cid in range(2)]
+        # The run goes on while the refused clients retry and give up: the refusals are its background.
+        outcome = in_thread(lambda: server.start_run(link, tmp_path / "run", cfg, resume=False, log=lines.append))
         assert keyless.wait(timeout=180) != 0
         said = (tmp_path / "client-8.out").read_text()
         assert "admits registered SuperNodes only" in said and "runtime.auth.private_key" in said, said[-2000:]
@@ -365,7 +390,7 @@ def test_over_tls_with_authentication_only_registered_clients_join_and_the_run_i
         assert "[code: 2004]" in (tmp_path / "client-7" / "supernode.log").read_text()
         print(f"refusals seen: {time.time() - t0:.1f} s")
 
-        summary = server.start_run(link, tmp_path / "run", cfg, resume=False, log=lines.append)
+        summary = outcome()
         assert summary["client_failures"] == [] and len(summary["accuracy_curve"]) == 1
         assert deployed_rows(read_rows(tmp_path / "run")) == deployed_rows(local_rows)
         print(f"authenticated run: {time.time() - t0:.1f} s")
