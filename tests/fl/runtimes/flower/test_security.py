@@ -10,7 +10,6 @@ import ipaddress
 import os
 import ssl
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
