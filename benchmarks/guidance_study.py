@@ -10,13 +10,15 @@ stage's variants run on seeds 0-2 beside FedAvg and FedRCL on the same partition
     t        the timestep the UNet features are read at: paper (the pipeline-matched t, the default), 0, 50, 150
     weights  the loss weights: FedDifRC's lambda_tdcl x lambda_ndcr, SemanticFL's lambda_kd x lambda_con,
              align_features' lam, each at 0.25, 1 and 4 times the default
+    edge     a weight chosen at the edge of the weights grid (4 or 0.25 times its default) one more factor of 4
+             further out, the other weights as chosen: the grid's best may lie beyond it
     tau      the contrastive temperature: FedDifRC's and SemanticFL's tau at half, one and twice the default
 
 The oracle's features are the same at every t (it has no timestep), so its t stage is one variant. The
 tables show validation and test last-k (mean +- std over seeds), and the test last-k difference against
 FedAvg paired by seed with its bootstrap interval: the test numbers are read, never used to choose.
 
-    .venv/bin/python benchmarks/guidance_study.py [--stages t weights tau] [--config configs/demo.yaml]
+    .venv/bin/python benchmarks/guidance_study.py [--stages t weights edge tau] [--config configs/demo.yaml]
                                                   [--seeds 0 1 2] [--out runs/guidance_study]
     .venv/bin/python benchmarks/guidance_study.py --report    # the tables from the finished runs only
 
@@ -53,7 +55,7 @@ SCALES = (0.25, 1.0, 4.0)
 WEIGHTS = {"feddifrc": ("lambda_tdcl", "lambda_ndcr"), "semanticfl": ("lambda_kd", "lambda_con"),
            "align_features": ("lam",)}
 TAUS = {"feddifrc": "tau", "semanticfl": "tau"}
-STAGES = ("t", "weights", "tau")
+STAGES = ("t", "weights", "edge", "tau")
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,10 @@ def stage_variants(stage: str, chosen: dict[tuple[str, str], Variant]) -> list[V
                 # a scale of 1 leaves the option out, so the all-ones variant is the one chosen before (same run)
                 out += [base.with_options(**{n: _scaled(params[n], s) for n, s in scales.items() if s != 1.0})
                         for scales in grid]
+            elif stage == "edge":
+                out += [base] + [base.with_options(**{n: _scaled(v, SCALES[-1] if v > params[n] else SCALES[0])})
+                                 for n, v in dict(base.options).items() if n in WEIGHTS[method]
+                                 and _at_edge(float(v), float(params[n]))]
             elif stage == "tau" and method in TAUS:
                 out += [base] + [base.with_options(**{TAUS[method]: _scaled(params[TAUS[method]], s)}) for s in (0.5, 2.0)]
             else:
@@ -112,6 +118,11 @@ def _product(axes: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
     for axis in axes:
         combos = [c + (v,) for c in combos for v in axis]
     return combos
+
+
+def _at_edge(value: float, default: float) -> bool:
+    """Whether ``value`` is a scale of ``default`` at (or beyond) the weights grid's outermost scales."""
+    return default != 0 and not SCALES[0] < value / default < SCALES[-1]
 
 
 def _scaled(value: object, scale: float) -> float:
