@@ -1,12 +1,14 @@
 """What the evaluator's CPU chunking buys: one test-set evaluation (``Evaluator.evaluate``, the pass every round
 makes for the global model and, in personalised runs, for every client's model) of the configs' own models and
 test sets, in chunks of ``core.evaluation.CPU_CHUNK`` images and in whole eval batches (the baseline), in the
-same process, interleaved, at 1 and 2 threads.
+same process, interleaved, at 1 and 2 threads. Then what ``Evaluator.encoder_reuse`` buys: ten clients' models
+that share one body and keep their own heads (FedRep's clients under the averaged body) scored within it and
+without it, at 1 thread.
 
     .venv/bin/python benchmarks/eval_chunks.py [--repeats 5] [--configs configs/feddw_fmnist.yaml configs/demo.yaml]
 
 Prints the median seconds per evaluation, ``ratio=`` (chunked / whole) and whether the accuracies agree and how
-far the test losses are apart.
+far the test losses are apart; then the seconds for the ten clients, the ratio, and whether every score agrees.
 """
 from __future__ import annotations
 
@@ -65,6 +67,31 @@ def main() -> None:
             gap = abs(scores[chunk]["test_loss"] - scores[10 ** 9]["test_loss"])
             print(f"{config.name:<22} {len(evaluator.y):>7} {evaluator.batch_size:>6} {threads:>7} {a:>8.3f} {b:>8.3f}"
                   f" {a / b:>6.2f} {str(same):>8} {gap:>9.2e}", flush=True)
+    print("\nten clients under one body, each with its own head; median seconds for all ten, 1 thread")
+    print(f"{'config':<22} {'reused':>8} {'alone':>8} {'ratio':>6} {'same scores':>11}")
+    torch.set_num_threads(1)
+    for config in args.configs:
+        evaluator, weights = evaluator_of(config)
+        head = evaluator.layout.span("head.")
+        clients = []
+        for cid in range(10):
+            w = weights.clone()
+            w[head] = torch.randn(head.stop - head.start, generator=torch.Generator().manual_seed(cid)) * 0.05
+            clients.append(w)
+
+        def reused():
+            with evaluator.encoder_reuse():
+                return [evaluator.evaluate(w) for w in clients]
+        times = {"reused": [], "alone": []}
+        for _ in range(args.repeats + 1):
+            for name, fn in (("reused", reused), ("alone", lambda: [evaluator.evaluate(w) for w in clients])):
+                t0 = time.perf_counter()
+                scores = fn()
+                times[name].append(time.perf_counter() - t0)
+                if name == "reused":
+                    kept = scores
+        a, b = statistics.median(times["reused"][1:]), statistics.median(times["alone"][1:])
+        print(f"{config.name:<22} {a:>8.2f} {b:>8.2f} {a / b:>6.2f} {str(kept == scores):>11}", flush=True)
 
 
 if __name__ == "__main__":

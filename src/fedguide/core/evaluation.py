@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -13,6 +15,33 @@ from fedguide.core.weights import WeightLayout
 
 # The largest number of images one CPU forward pass of the evaluator computes at once (see Evaluator._forward).
 CPU_CHUNK = 128
+
+
+@dataclass
+class _EncoderReuse:
+    """The encoder span of the flat weight vector and the encoder outputs kept for the last encoder seen."""
+
+    span: slice
+    weights: Optional[torch.Tensor] = None
+    encoded: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, layout: WeightLayout) -> Optional["_EncoderReuse"]:
+        if not (hasattr(model, "encoder") and hasattr(model, "head")):
+            return None
+        try:
+            span = layout.span("encoder.")
+        except ValueError:  # not one contiguous range: nothing to compare
+            return None
+        return cls(span)
+
+    def lookup(self, weights: torch.Tensor) -> Optional[list]:
+        if self.weights is not None and torch.equal(self.weights, weights[self.span]):
+            return self.encoded
+        return None
+
+    def keep(self, weights: torch.Tensor, encoded: list) -> None:
+        self.weights, self.encoded = weights[self.span].clone(), encoded
 
 
 class Evaluator:
@@ -29,21 +58,64 @@ class Evaluator:
         self.client_classes = client_classes  # eval.client_classes: every score adds client_class_accuracy
         # The training's train.precision and train.channels_last: the test pass computes as the steps do.
         self.precision, self.channels_last = precision, channels_last
+        self._reuse: Optional[_EncoderReuse] = None  # see encoder_reuse
+
+    def _chunks(self, xb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``xb`` in the pieces one forward pass computes. A CPU forward pass over a whole eval batch (1024 by
+        default) works on activations far larger than the caches: chunks of CPU_CHUNK are 1.2-1.8x faster
+        (benchmarks/eval_chunks.py) and give the same logits up to float rounding (bit-identical on the FMNIST CNN
+        at 1024; ~1e-7 apart at odd sizes, where the CPU kernels for another batch size add in another order).
+        The batch stays the unit of the loss sums."""
+        chunks = xb.split(CPU_CHUNK) if xb.device.type == "cpu" and len(xb) > CPU_CHUNK else (xb,)
+        if self.channels_last and xb.dim() == 4:
+            return tuple(c.contiguous(memory_format=torch.channels_last) for c in chunks)
+        return chunks
 
     def _forward(self, xb: torch.Tensor, features: bool = False):
-        if xb.device.type == "cpu" and len(xb) > CPU_CHUNK:
-            # A CPU forward pass over a whole eval batch (1024 by default) works on activations far larger than
-            # the caches: chunks of CPU_CHUNK are 1.2-1.8x faster (benchmarks/eval_chunks.py) and give the same
-            # logits up to float rounding (bit-identical on the FMNIST CNN at 1024; ~1e-7 apart at odd sizes,
-            # where the CPU kernels for another batch size add in another order). The batch stays the unit of
-            # the loss sums.
-            parts = [self._forward(chunk, features) for chunk in xb.split(CPU_CHUNK)]
-            return tuple(torch.cat(p) for p in zip(*parts)) if features else torch.cat(parts)
-        if self.channels_last and xb.dim() == 4:
-            xb = xb.contiguous(memory_format=torch.channels_last)
-        with autocast(xb.device, self.precision):
-            out = self.model.forward_features(xb) if features else self.model(xb)
-        return tuple(o.float() for o in out) if features else out.float()
+        parts = []
+        for chunk in self._chunks(xb):
+            with autocast(chunk.device, self.precision):
+                out = self.model.forward_features(chunk) if features else self.model(chunk)
+            parts.append(tuple(o.float() for o in out) if features else out.float())
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(torch.cat(p) for p in zip(*parts)) if features else torch.cat(parts)
+
+    @contextmanager
+    def encoder_reuse(self):
+        """Within it, ``evaluate`` keeps the test set's encoder outputs of the last model it scored and reuses
+        them for a model whose encoder weights are the same, bit for bit: clients that share a body and keep
+        their own heads (FedRep's, scored under the averaged body) cost one encoder pass and a head pass each,
+        with the logits a whole forward pass computes (the same ops on the same chunks). Dropped on exit."""
+        self._reuse = _EncoderReuse.of(self.model, self.layout)
+        try:
+            yield self
+        finally:
+            self._reuse = None
+
+    def _logits(self, weights: torch.Tensor):
+        """(logits, labels) of every test batch under ``weights`` (already loaded into the model)."""
+        reuse = self._reuse
+        if reuse is None:
+            for xb, yb in self._batches():
+                yield self._forward(xb), yb
+            return
+        encoded = reuse.lookup(weights)
+        if encoded is None:
+            encoded = []
+            for xb, yb in self._batches():
+                zs = []
+                for chunk in self._chunks(xb):
+                    with autocast(chunk.device, self.precision):
+                        zs.append(self.model.encoder(chunk))
+                encoded.append((zs, yb))
+            reuse.keep(weights, encoded)
+        for zs, yb in encoded:
+            parts = []
+            for z in zs:
+                with autocast(z.device, self.precision):
+                    parts.append(self.model.head(z).float())
+            yield (parts[0] if len(parts) == 1 else torch.cat(parts)), yb
 
     def _batches(self):
         """(inputs, labels) of the test set in order, where the model is."""
@@ -75,8 +147,7 @@ class Evaluator:
         self.layout.load(self.model, weights)
         self.model.eval()
         preds, losses = [], []
-        for xb, yb in self._batches():
-            logits = self._forward(xb)
+        for logits, yb in self._logits(weights):
             losses.append(F.cross_entropy(logits, yb, reduction="sum").double())
             preds.append(logits.argmax(1))
         out = self.score(torch.cat(preds).cpu())

@@ -182,4 +182,5 @@ def batch_at(ctx: ClientContext, idx: torch.Tensor) -> tuple[torch.Tensor, torch
 def mean_client_metrics(run: RunContext, model_of: Callable[[int], torch.Tensor]) -> dict[str, Any]:
     """The mean over all clients of their models' metrics on the global test set (``local``'s report and FedDW's
     global test of personalised methods), with the spread (``client_accuracy_min``/``max``)."""
-    return mean_metrics([run.evaluator.evaluate(model_of(cid)) for cid in range(run.num_clients)])
+    with run.evaluator.encoder_reuse() as evaluator:  # clients under one shared body: one encoder pass
+        return mean_metrics([evaluator.evaluate(model_of(cid)) for cid in range(run.num_clients)])
