@@ -21,12 +21,18 @@ FedAvg paired by seed with its bootstrap interval: the test numbers are read, ne
     .venv/bin/python benchmarks/guidance_study.py [--stages t weights edge tau] [--config configs/demo.yaml]
                                                   [--seeds 0 1 2] [--out runs/guidance_study]
     .venv/bin/python benchmarks/guidance_study.py --report    # the tables from the finished runs only
+    .venv/bin/python benchmarks/guidance_study.py --config configs/demo_dir0.05.yaml --transfer demo
+
+``--transfer STEM`` chooses nothing: it runs the references and the variants the stages chose on STEM's config
+(``<STEM>.chosen.json``, written with its tables) on ``--config``, and tables them: whether the choices carry to
+another setting without tuning there.
 
 Resumable (finished runs kept, started ones continued). Tables: benchmarks/results/guidance_study/<config>.md.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -201,6 +207,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "guidance_study")
     ap.add_argument("--report", action="store_true", help="the tables from the finished runs; run nothing")
+    ap.add_argument("--transfer", metavar="STEM", help="run the variants chosen on STEM's config (no stages)")
     args = ap.parse_args(argv)
     root = args.out.resolve() / args.config.stem
     references = [Variant(m, None) for m in REFERENCES]
@@ -210,14 +217,38 @@ def main(argv: Optional[list[str]] = None) -> None:
            f"{', '.join(map(str, args.seeds))}; validation: {' '.join(VALIDATION)}. *val last-k* chooses each "
            "stage's variant (the best mean over seeds per method and guidance model); the test columns are read "
            "only. Cells: mean ± sample std over seeds.", ""]
-    for stage in args.stages:
+    if args.transfer:
+        chosen = read_chosen(args.transfer)
+        results = run_all(references + list(chosen.values()), args.config, args.seeds, root, execute=not args.report)
+        doc[2] = doc[2].replace("*val last-k* chooses each stage's variant (the best mean over seeds per method "
+                                "and guidance model)", f"the variants are those chosen on {args.transfer}'s config, "
+                                "not chosen here")
+        doc += table(f"transfer from {args.transfer}", results, chosen, len(args.seeds))
+        write_text(RESULTS / f"{args.config.stem}.md", "\n".join(doc))
+    for stage in [] if args.transfer else args.stages:
         variants = references + stage_variants(stage, chosen)
         results = run_all(variants, args.config, args.seeds, root, execute=not args.report)
         chosen = {**chosen, **choose(results, len(args.seeds))}
         doc += table(stage, results, chosen, len(args.seeds))
         write_text(RESULTS / f"{args.config.stem}.md", "\n".join(doc))
+        write_chosen(args.config.stem, chosen)
         print(f"stage {stage}: chosen " + ", ".join(v.label for v in chosen.values()), flush=True)
     print(f"tables: {RESULTS / (args.config.stem + '.md')}", flush=True)
+
+
+def write_chosen(stem: str, chosen: dict[tuple[str, str], Variant]) -> None:
+    write_text(RESULTS / f"{stem}.chosen.json", json.dumps(
+        [{"method": v.method, "guidance": v.guidance, "options": dict(v.options)} for v in chosen.values()],
+        indent=1) + "\n")
+
+
+def read_chosen(stem: str) -> dict[tuple[str, str], Variant]:
+    path = RESULTS / f"{stem}.chosen.json"
+    if not path.is_file():
+        raise SystemExit(f"{path.relative_to(REPO)} is missing: run the stages on {stem}'s config first (or "
+                         f"--report them), which writes the variants they chose")
+    return {(v["method"], v["guidance"]): Variant(v["method"], v["guidance"], tuple(sorted(v["options"].items())))
+            for v in json.loads(path.read_text())}
 
 
 if __name__ == "__main__":
