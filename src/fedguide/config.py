@@ -224,7 +224,8 @@ class EvalConfig(Strict):
                                          "tests, debugging): its accuracies do not compare with the whole test "
                                          "set's. Personal test splits are drawn from it")
     personal_every: int = Field(
-        1, ge=1, description="mode both: personal scores every this many rounds and at the last round")
+        1, ge=1, description="mode both: personal scores every this many rounds and in each of the last "
+                             "report.last_k rounds (so the personal last-k means are those of scoring every round)")
     client_classes: bool = Field(
         False, description="also score the server's model on the test samples of each client's classes "
                            "(client_class_accuracy: client id -> accuracy; FedCADO Table 2's per-client columns); a "
@@ -241,9 +242,11 @@ class EvalConfig(Strict):
                              "every round's accuracy; write mode: both to score the clients less often")
         return self
 
-    def personal_round(self, round_: int, rounds: int) -> bool:
-        """Whether round ``round_`` of ``rounds`` scores the personalised models."""
-        return self.mode != "global" and (round_ % self.personal_every == 0 or round_ == rounds)
+    def personal_round(self, round_: int, rounds: int, last_k: int = 1) -> bool:
+        """Whether round ``round_`` of ``rounds`` scores the personalised models: every ``personal_every`` rounds
+        and each of the last ``last_k`` (the report's window: the personal last-k statistics then average the
+        same rounds as when every round is scored)."""
+        return self.mode != "global" and (round_ % self.personal_every == 0 or round_ > rounds - last_k)
 
 
 # Test-accuracy marks of summary.json's rounds_to_accuracy unless report.rounds_to names others.

@@ -82,7 +82,20 @@ def test_personal_mode_scores_the_clients_only_and_finetuning_personalises(tmp_p
 
 def test_personal_every_and_refusals(tmp_path):
     _, rows, _ = run_tiny(tmp_path, tiny_config(eval={"mode": "both", "personal_every": 2}, train={"rounds": 3}))
-    assert ["personal_accuracy" in r for r in rows] == [False, True, True]  # round 2, and the last
+    assert ["personal_accuracy" in r for r in rows] == [False, True, True]  # round 2, and the last two (last_k 2)
+    # Every 4th round and each of the last 4 (report.last_k): the personal last-k mean averages the rounds
+    # scoring every round averages, not rounds 4 and 8.
+    cfg = tiny_config(eval={"mode": "both", "personal_every": 4}, train={"rounds": 9}, report={"last_k": 4})
+    assert [cfg.eval.personal_round(r, 9, cfg.report.last_k_for(9)) for r in range(1, 10)] == \
+        [False, False, False, True, False, True, True, True, True]
+    # Scoring the clients less often changes nothing else: the global rows, and the personal scores of the rounds
+    # both score, are those of scoring every round (FedBABU fine-tunes each client to score it).
+    layers = {"method": {"name": "fedbabu", "finetune_epochs": 1}, "train": {"rounds": 5}}
+    _, every, _ = run_tiny(tmp_path, tiny_config(layers, eval={"mode": "both"}), name="every")
+    _, sparse, _ = run_tiny(tmp_path, tiny_config(layers, eval={"mode": "both", "personal_every": 4}), name="sparse")
+    assert [r["accuracy"] for r in sparse] == [r["accuracy"] for r in every]
+    assert [r.get("personal_accuracy") for r in sparse] == [None, None, None] + [r["personal_accuracy"]
+                                                                               for r in every[3:]]
     with pytest.raises(ConfigError, match="no personalised model"):
         prepare(tiny_config(method={"name": "zero_shot"}, eval={"mode": "personal"}))
 

@@ -71,13 +71,14 @@ def round_evaluation(cfg: Config, ctx: RunContext, method: Method, round_: int, 
                      val: Optional[Evaluator] = None) -> dict[str, Any]:
     """The round's test metrics. ``global``: the method's ``evaluate``; ``personal``: the personal metrics, the
     round's ``accuracy`` being the personal accuracy (the global test set is not scored); ``both``: the two
-    (the personal ones every ``eval.personal_every`` rounds and at the last). With a validation split (``val``),
+    (the personal ones every ``eval.personal_every`` rounds and in the last ``report.last_k``). With a validation
+    split (``val``),
     ``val_accuracy``: the method's evaluation on it."""
     mode = cfg.eval.mode
     out = method.evaluate(round_, global_weights) if mode != "personal" else {}
     if val is not None:
         out["val_accuracy"] = validation_accuracy(ctx, method, round_, global_weights, val)
-    if cfg.eval.personal_round(round_, cfg.train.rounds):
+    if cfg.eval.personal_round(round_, cfg.train.rounds, cfg.report.last_k_for(cfg.train.rounds)):
         out = {**out, **evaluate_personal(ctx.evaluator, ctx.data.personal_test,
                                           lambda cid: method.personal_model(round_, cid, global_weights))}
         if mode == "personal":
