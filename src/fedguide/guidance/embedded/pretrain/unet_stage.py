@@ -27,6 +27,7 @@ from fedguide.guidance.embedded.pretrain.partial import Log, load_stage, save_at
 from fedguide.guidance.embedded.pretrain.repa import AlignHeads, Alignment, alignment_targets, build_heads
 from fedguide.guidance.embedded.pretrain.settings import PretrainSettings, stage_key
 from fedguide.guidance.hooks import capture
+from fedguide.guidance.timesteps import SD15_SCHEDULE
 from fedguide.guidance.progress import progress
 
 WARMUP_STEPS = 200
@@ -46,8 +47,7 @@ def build_unet(channels: tuple[int, ...], context_dim: int):
 def noise_scheduler():
     from diffusers import DDPMScheduler
 
-    return DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085,
-                         beta_end=0.012, clip_sample=False, prediction_type="epsilon")
+    return DDPMScheduler(**SD15_SCHEDULE, clip_sample=False, prediction_type="epsilon")
 
 
 @dataclass
