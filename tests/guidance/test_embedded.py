@@ -104,6 +104,15 @@ def small_settings(**changes):
                                       unet_channels=(16, 16, 16, 16), checkpoint_every=2, clip_image_size=32), **changes})
 
 
+@pytest.fixture(scope="module")
+def small_pretrained(tmp_path_factory):
+    """One finished pretraining at small_settings(), read (never written) by the tests that compare with one or
+    reuse its parts: the same folder each of them would train for itself."""
+    from fedguide.guidance.embedded.pretrain import run as pt
+
+    return pt.pretrain(tmp_path_factory.mktemp("pretrained") / "first", small_settings(), quiet=True, threads=1)
+
+
 def kill_before_writing(pt, monkeypatch, out, settings):
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
@@ -115,13 +124,13 @@ def kill_before_writing(pt, monkeypatch, out, settings):
     return out.parent / f".{out.name}.partial"
 
 
-def test_a_killed_pretraining_resumes_to_the_same_models(tmp_path, monkeypatch):
+def test_a_killed_pretraining_resumes_to_the_same_models(tmp_path, monkeypatch, small_pretrained):
     from safetensors.torch import load_file
 
     from fedguide.guidance.embedded.pretrain import run as pt
 
     settings = small_settings()
-    clean = pt.pretrain(tmp_path / "clean", settings, quiet=True, threads=1)
+    clean = small_pretrained  # uninterrupted
 
     partial = kill_before_writing(pt, monkeypatch, tmp_path / "resumed", settings)
     assert {"clip.safetensors", "vae.safetensors", "unet.safetensors"} <= {p.name for p in partial.iterdir()}
@@ -191,10 +200,10 @@ def test_a_bad_backbone_input_size_is_refused_by_the_cli(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
-def test_a_finished_folders_vae_is_reused_when_its_settings_match(tmp_path, monkeypatch):
+def test_a_finished_folders_vae_is_reused_when_its_settings_match(tmp_path, monkeypatch, small_pretrained):
     from fedguide.guidance.embedded.pretrain import run as pt
 
-    first = pt.pretrain(tmp_path / "first", small_settings(), quiet=True, threads=1)
+    first = small_pretrained
     monkeypatch.setattr(pt, "train_vae", lambda *a, **k: pytest.fail("the VAE was trained instead of reused"))
     second = pt.pretrain(tmp_path / "second", small_settings(clip_augmented_views=(0, 2)), quiet=True, threads=1,
                          vae_source=first)
@@ -220,10 +229,10 @@ def test_a_vae_trained_with_other_settings_is_refused_before_anything_is_written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["first"]
 
 
-def test_a_finished_folders_clip_is_reused_with_the_same_image_tokens(tmp_path, monkeypatch):
+def test_a_finished_folders_clip_is_reused_with_the_same_image_tokens(tmp_path, monkeypatch, small_pretrained):
     from fedguide.guidance.embedded.pretrain import run as pt
 
-    first = pt.pretrain(tmp_path / "first", small_settings(), quiet=True, threads=1)
+    first = small_pretrained
     monkeypatch.setattr(pt, "train_clip", lambda *a, **k: pytest.fail("the mini-CLIP was trained instead of reused"))
     second = pt.pretrain(tmp_path / "second", small_settings(), quiet=True, threads=1, vae_source=first,
                          clip_source=first)
@@ -235,10 +244,12 @@ def test_a_finished_folders_clip_is_reused_with_the_same_image_tokens(tmp_path, 
     assert any("train_zero_shot" in row for row in clip_rows) and clip_rows[-1]["reused_from"] == "first"
 
 
-def test_a_clip_trained_with_other_settings_is_refused_before_anything_is_written(tmp_path):
+def test_a_clip_trained_with_other_settings_is_refused_before_anything_is_written(tmp_path, small_pretrained):
     from fedguide.guidance.embedded.pretrain import run as pt
 
-    first = pt.pretrain(tmp_path / "first", small_settings(clip_epochs=1), quiet=True, threads=1)
+    first = small_pretrained  # clip_epochs 1
+    before = sorted(str(p.relative_to(first)) for p in first.rglob("*"))
     with pytest.raises(ValueError, match=r"mini-CLIP .*clip_epochs: 1 there, 2 here.*drop --reuse-clip"):
         pt.pretrain(tmp_path / "second", small_settings(clip_epochs=2), quiet=True, threads=1, clip_source=first)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["first"]
+    assert not list(tmp_path.iterdir())
+    assert sorted(str(p.relative_to(first)) for p in first.rglob("*")) == before
