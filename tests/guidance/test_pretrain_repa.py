@@ -16,12 +16,23 @@ from tests.guidance.test_embedded import card_hashes, kill_before_writing, small
 REPA = dict(repa_weight=0.5, repa_layers=("mid", "up.1"), repa_target="effnet", clip_image_size=64)
 
 
-def test_a_repa_run_writes_the_same_layout_with_an_ordinary_unet(tmp_path):
+# A large learning rate, so that four steps show in the fp16 weights.
+REPA_RUN = dict(REPA, unet_lr=0.1)
+
+
+@pytest.fixture(scope="module")
+def repa_pretrained(tmp_path_factory):
+    """One finished REPA pretraining at REPA_RUN, read (never written) by the tests that compare with one."""
     from fedguide.guidance.embedded.pretrain.run import pretrain
 
-    # A large learning rate, so that four steps show in the fp16 weights.
+    return pretrain(tmp_path_factory.mktemp("repa") / "aligned", small_settings(**REPA_RUN), quiet=True, threads=1)
+
+
+def test_a_repa_run_writes_the_same_layout_with_an_ordinary_unet(tmp_path, repa_pretrained):
+    from fedguide.guidance.embedded.pretrain.run import pretrain
+
     plain = pretrain(tmp_path / "plain", small_settings(clip_image_size=64, unet_lr=0.1), quiet=True, threads=1)
-    aligned = pretrain(tmp_path / "aligned", small_settings(**REPA, unet_lr=0.1), quiet=True, threads=1)
+    aligned = repa_pretrained
     assert set(card_hashes(plain)) == set(card_hashes(aligned))
     unet = "unet/diffusion_pytorch_model.safetensors"
     a, b = load_file(plain / unet), load_file(aligned / unet)
@@ -88,11 +99,11 @@ def test_a_linear_head_is_one_convolution_the_features_must_match_linearly(tmp_p
     assert torch.allclose(loss, torch.stack(expected).mean(), atol=1e-6)
 
 
-def test_a_killed_repa_run_resumes_to_the_same_files(tmp_path, monkeypatch):
+def test_a_killed_repa_run_resumes_to_the_same_files(tmp_path, monkeypatch, repa_pretrained):
     from fedguide.guidance.embedded.pretrain import run as pt
 
-    settings = small_settings(**REPA)
-    clean = pt.pretrain(tmp_path / "clean", settings, quiet=True, threads=1)
+    settings = small_settings(**REPA_RUN)
+    clean = repa_pretrained  # uninterrupted
     partial = kill_before_writing(pt, monkeypatch, tmp_path / "resumed", settings)
     assert "heads" in json.dumps(_metadata(partial / "unet.safetensors"))  # the heads are checkpointed
     assert (partial / "repa_targets.safetensors").is_file()
