@@ -374,14 +374,14 @@ def test_one_shot_needs_every_client_in_round_one(digits_config, tmp_path):
         run_tiny(tmp_path, cfg)
 
 
-def test_smoke_config(tmp_path):
+def test_smoke_config(tmp_path, embedded_feature_cache):
     from fedguide.cli import main
 
     out = tmp_path / "smoke"
     # The config whole, on fewer images: embedding them with the frozen encoder was four fifths of its time, and
     # 3 % of the data still gives every pseudo-class its centroids and both clients their domains.
     assert main(["run", str(REPO / "configs/feddisc_smoke.yaml"), "--out", str(out), "--quiet",
-                 f"guidance.feature_cache={tmp_path / 'cache'}", "data.fraction=0.03", "eval.test_subset=0.2"]) == 0
+                 f"guidance.feature_cache={embedded_feature_cache}", "data.fraction=0.03", "eval.test_subset=0.2"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     # Its wall time (under a minute on two idle cores) is a benchmark figure, not asserted: a loaded
     # machine would fail a timed test for no fault of the code.

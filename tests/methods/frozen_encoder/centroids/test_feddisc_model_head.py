@@ -54,12 +54,12 @@ def test_the_runs_model_is_trained_on_the_generated_images_and_scored(digits_con
     assert torch.equal(seen["evaluated"][calls].cpu(), seen["trained"].cpu())
 
 
-def test_model_head_smoke_on_the_embedded_models(tmp_path):
+def test_model_head_smoke_on_the_embedded_models(tmp_path, embedded_feature_cache):
     from fedguide.cli import main
 
     out = tmp_path / "smoke"
     assert main(["run", str(REPO / "configs/feddisc_smoke.yaml"), "--out", str(out), "--quiet",
-                 f"guidance.feature_cache={tmp_path / 'cache'}", "data.fraction=0.03", "eval.test_subset=0.2",
+                 f"guidance.feature_cache={embedded_feature_cache}", "data.fraction=0.03", "eval.test_subset=0.2",
                  "method.head=model", "method.model_epochs=2", "method.steps=2"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])

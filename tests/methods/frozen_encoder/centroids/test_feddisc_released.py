@@ -236,12 +236,12 @@ def test_released_run_on_unclip(digits_config, tmp_path):
     assert row["privacy"]["epsilon"] == pytest.approx(expected.epsilon)
 
 
-def test_released_smoke_on_the_embedded_models(tmp_path):
+def test_released_smoke_on_the_embedded_models(tmp_path, embedded_feature_cache):
     from fedguide.cli import main
 
     out = tmp_path / "smoke"
     assert main(["run", str(REPO / "configs/feddisc_smoke.yaml"), "--out", str(out), "--quiet",
-                 f"guidance.feature_cache={tmp_path / 'cache'}", "data.fraction=0.03", "eval.test_subset=0.2",
+                 f"guidance.feature_cache={embedded_feature_cache}", "data.fraction=0.03", "eval.test_subset=0.2",
                  "method.schedule=released", "method.steps=2", "method.head_epochs=5"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
