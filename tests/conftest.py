@@ -76,30 +76,3 @@ def slowest_files_first(items):
         first_seen.setdefault(item.nodeid.split("::")[0], i)
     items.sort(key=lambda item: (-slowest.get(item.nodeid.split("::")[0], 0.0),
                                  first_seen[item.nodeid.split("::")[0]]))
-    spread_deployments(items)
-
-
-DEPLOYMENT_GAP = 2  # files of other tests between two files that start a localhost deployment
-
-
-def spread_deployments(items):
-    """Two tests that start a Flower deployment each start a SuperLink and several client processes at once,
-    then mostly wait on Flower's polling: side by side on two workers they slowed each other by a third
-    (55 s and 34 s alone, 78 s and 57 s together). A file holding one (marked ``deployment``) is moved behind
-    the next DEPLOYMENT_GAP files of other tests when another such file precedes it."""
-    files: dict[str, list] = {}
-    for item in items:
-        files.setdefault(item.nodeid.split("::")[0], []).append(item)
-    order, deferred, since = [], [], DEPLOYMENT_GAP
-    for name, tests in files.items():
-        heavy = any(t.get_closest_marker("deployment") for t in tests)
-        if heavy and since < DEPLOYMENT_GAP:
-            deferred.append(tests)
-            continue
-        order.append(tests)
-        since = 0 if heavy else since + 1
-        if deferred and since >= DEPLOYMENT_GAP:
-            order.append(deferred.pop(0))
-            since = 0
-    order += deferred
-    items[:] = [t for tests in order for t in tests]

@@ -271,7 +271,6 @@ def train_messages_received(client_dir: Path) -> int:
         return 0
 
 
-@pytest.mark.deployment
 @pytest.mark.e2e
 def test_deployment_on_localhost_matches_local_and_survives_a_killed_supernode(tmp_path):
     """SuperLink + 3 `fedguide client` processes (SuperNode + long-lived ClientApp), two runs of 2 rounds:

@@ -347,7 +347,6 @@ def _stop_all(link, clients) -> set[int]:
     return started
 
 
-@pytest.mark.deployment
 @pytest.mark.e2e
 def test_over_tls_with_authentication_only_registered_clients_join_and_the_run_is_the_local_one(tmp_path, tls):
     """A SuperLink with its certificate whose allow-list holds clients 0 and 1's public keys; `fedguide
