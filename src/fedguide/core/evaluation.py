@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from fedguide.core.device import autocast
 from fedguide.core.weights import WeightLayout
 
-# The largest number of images one CPU forward pass of the evaluator computes at once (see Evaluator._forward).
+# The largest number of images one CPU forward pass of the evaluator computes at once (see Evaluator._chunks).
 CPU_CHUNK = 128
 
 

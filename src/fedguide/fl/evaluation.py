@@ -72,8 +72,7 @@ def round_evaluation(cfg: Config, ctx: RunContext, method: Method, round_: int, 
     """The round's test metrics. ``global``: the method's ``evaluate``; ``personal``: the personal metrics, the
     round's ``accuracy`` being the personal accuracy (the global test set is not scored); ``both``: the two
     (the personal ones every ``eval.personal_every`` rounds and in the last ``report.last_k``). With a validation
-    split (``val``),
-    ``val_accuracy``: the method's evaluation on it."""
+    split (``val``), ``val_accuracy``: the method's evaluation on it."""
     mode = cfg.eval.mode
     out = method.evaluate(round_, global_weights) if mode != "personal" else {}
     if val is not None:

@@ -27,8 +27,8 @@ from fedguide.guidance.embedded.pretrain.partial import Log, load_stage, save_at
 from fedguide.guidance.embedded.pretrain.repa import AlignHeads, Alignment, alignment_targets, build_heads
 from fedguide.guidance.embedded.pretrain.settings import PretrainSettings, stage_key
 from fedguide.guidance.hooks import capture
-from fedguide.guidance.timesteps import SD15_SCHEDULE
 from fedguide.guidance.progress import progress
+from fedguide.guidance.timesteps import SD15_SCHEDULE
 
 WARMUP_STEPS = 200
 
