@@ -59,7 +59,6 @@ def test_image_token_and_zero_shot(embedded):
 
 
 def test_pretrain_writes_a_loadable_sd_layout(tmp_path):
-    from fedguide.data.federated import public_pool
     from fedguide.guidance.embedded.pretrain.data import load_pool
     from fedguide.guidance.embedded.pretrain.run import pretrain
 
