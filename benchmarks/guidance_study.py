@@ -245,7 +245,8 @@ def write_chosen(stem: str, chosen: dict[tuple[str, str], Variant]) -> None:
 def read_chosen(stem: str) -> dict[tuple[str, str], Variant]:
     path = RESULTS / f"{stem}.chosen.json"
     if not path.is_file():
-        raise SystemExit(f"{path.relative_to(REPO)} is missing: run the stages on {stem}'s config first (or "
+        shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+        raise SystemExit(f"{shown} is missing: run the stages on {stem}'s config first (or "
                          f"--report them), which writes the variants they chose")
     return {(v["method"], v["guidance"]): Variant(v["method"], v["guidance"], tuple(sorted(v["options"].items())))
             for v in json.loads(path.read_text())}
