@@ -11,7 +11,8 @@ stage's variants run on seeds 0-2 beside FedAvg and FedRCL on the same partition
     weights  the loss weights: FedDifRC's lambda_tdcl x lambda_ndcr, SemanticFL's lambda_kd x lambda_con,
              align_features' lam, each at 0.25, 1 and 4 times the default
     edge     a weight chosen at the edge of the weights grid (4 or 0.25 times its default) one more factor of 4
-             further out, the other weights as chosen: the grid's best may lie beyond it
+             further out, the other weights as chosen, and again while the choice keeps moving out (at most
+             EDGE_STEPS times): the grid's best may lie beyond it
     tau      the contrastive temperature: FedDifRC's and SemanticFL's tau at half, one and twice the default
 
 The oracle's features are the same at every t (it has no timestep), so its t stage is one variant. The
@@ -62,6 +63,7 @@ WEIGHTS = {"feddifrc": ("lambda_tdcl", "lambda_ndcr"), "semanticfl": ("lambda_kd
            "align_features": ("lam",)}
 TAUS = {"feddifrc": "tau", "semanticfl": "tau"}
 STAGES = ("t", "weights", "edge", "tau")
+EDGE_STEPS = 3  # the edge stage goes out at most 4**3 = 64 times further than the weights grid's edge
 
 
 @dataclass(frozen=True)
@@ -226,13 +228,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         doc += table(f"transfer from {args.transfer}", results, chosen, len(args.seeds))
         write_text(RESULTS / f"{args.config.stem}.md", "\n".join(doc))
     for stage in [] if args.transfer else args.stages:
-        variants = references + stage_variants(stage, chosen)
-        results = run_all(variants, args.config, args.seeds, root, execute=not args.report)
-        chosen = {**chosen, **choose(results, len(args.seeds))}
-        doc += table(stage, results, chosen, len(args.seeds))
-        write_text(RESULTS / f"{args.config.stem}.md", "\n".join(doc))
-        write_chosen(args.config.stem, chosen)
-        print(f"stage {stage}: chosen " + ", ".join(v.label for v in chosen.values()), flush=True)
+        for step in range(1, (EDGE_STEPS if stage == "edge" else 1) + 1):
+            variants = references + stage_variants(stage, chosen)
+            results = run_all(variants, args.config, args.seeds, root, execute=not args.report)
+            before, chosen = chosen, {**chosen, **choose(results, len(args.seeds))}
+            name = f"{stage} {step}" if stage == "edge" else stage
+            doc += table(name, results, chosen, len(args.seeds))
+            write_text(RESULTS / f"{args.config.stem}.md", "\n".join(doc))
+            write_chosen(args.config.stem, chosen)
+            print(f"stage {name}: chosen " + ", ".join(v.label for v in chosen.values()), flush=True)
+            if chosen == before:  # no weight moved further out: the best is inside what was tried
+                break
     print(f"tables: {RESULTS / (args.config.stem + '.md')}", flush=True)
 
 
