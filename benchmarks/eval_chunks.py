@@ -82,16 +82,17 @@ def main() -> None:
         def reused():
             with evaluator.encoder_reuse():
                 return [evaluator.evaluate(w) for w in clients]
-        times = {"reused": [], "alone": []}
+        ways = {"reused": reused, "alone": lambda: [evaluator.evaluate(w) for w in clients]}
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        scores = {}
         for _ in range(args.repeats + 1):
-            for name, fn in (("reused", reused), ("alone", lambda: [evaluator.evaluate(w) for w in clients])):
+            for name, fn in ways.items():
                 t0 = time.perf_counter()
-                scores = fn()
+                scores[name] = fn()
                 times[name].append(time.perf_counter() - t0)
-                if name == "reused":
-                    kept = scores
         a, b = statistics.median(times["reused"][1:]), statistics.median(times["alone"][1:])
-        print(f"{config.name:<22} {a:>8.2f} {b:>8.2f} {a / b:>6.2f} {str(kept == scores):>11}", flush=True)
+        same = scores["reused"] == scores["alone"]
+        print(f"{config.name:<22} {a:>8.2f} {b:>8.2f} {a / b:>6.2f} {str(same):>11}", flush=True)
 
 
 if __name__ == "__main__":

@@ -214,17 +214,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     root = args.out.resolve() / args.config.stem
     references = [Variant(m, None) for m in REFERENCES]
     chosen: dict[tuple[str, str], Variant] = {}
+    how = (f"the variants are those chosen on {args.transfer}'s config, not chosen here" if args.transfer else
+           "*val last-k* chooses each stage's variant (the best mean over seeds per method and guidance model)")
     doc = [f"# Guidance study on {args.config.name} (benchmarks/guidance_study.py)", "",
            f"Generated {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; seeds "
-           f"{', '.join(map(str, args.seeds))}; validation: {' '.join(VALIDATION)}. *val last-k* chooses each "
-           "stage's variant (the best mean over seeds per method and guidance model); the test columns are read "
-           "only. Cells: mean ± sample std over seeds.", ""]
+           f"{', '.join(map(str, args.seeds))}; validation: {' '.join(VALIDATION)}. {how}; the test columns are "
+           "read only. Cells: mean ± sample std over seeds.", ""]
     if args.transfer:
         chosen = read_chosen(args.transfer)
         results = run_all(references + list(chosen.values()), args.config, args.seeds, root, execute=not args.report)
-        doc[2] = doc[2].replace("*val last-k* chooses each stage's variant (the best mean over seeds per method "
-                                "and guidance model)", f"the variants are those chosen on {args.transfer}'s config, "
-                                "not chosen here")
         doc += table(f"transfer from {args.transfer}", results, chosen, len(args.seeds))
         write_text(RESULTS / f"{args.config.stem}.md", "\n".join(doc))
     for stage in [] if args.transfer else args.stages:

@@ -35,7 +35,8 @@ _ORACLES: dict[tuple, tuple[OracleGuidance, TrainedOracle]] = {}
 # The key of each run's oracle, by the run's id (with a reference to check it is still that run): methods look
 # the oracle up per batch (a frozen image encoder's every call), and drawing the pool and hashing its indices
 # each time was work repeated on that path. A run's data, pool and settings do not change under it.
-_RUN_KEYS: dict[tuple, tuple[weakref.ref, tuple[str, dict, tuple, OraclePool]]] = {}
+# An entry leaves with its run (weakref.finalize), so a long sweep does not keep every run's pool.
+_RUN_KEYS: dict[tuple, tuple[str, dict, tuple, OraclePool]] = {}
 
 
 def _memo_key(cfg, run, settings: OracleSettings) -> tuple[str, dict, tuple, OraclePool]:
@@ -44,13 +45,14 @@ def _memo_key(cfg, run, settings: OracleSettings) -> tuple[str, dict, tuple, Ora
 
     lookup = (id(run), str(cfg.device), str(cfg.cache_dir()), json.dumps(settings.as_dict(), sort_keys=True))
     found = _RUN_KEYS.get(lookup)
-    if found is not None and found[0]() is run:
-        return found[1]
+    if found is not None:
+        return found
     pool = oracle_pool(run)
     key = oracle_key(run, pool, settings)
     digest = key_digest(key)
     result = digest, key, (digest, str(resolve_device(cfg.device)), str(cfg.cache_dir())), pool
-    _RUN_KEYS[lookup] = (weakref.ref(run), result)
+    _RUN_KEYS[lookup] = result
+    weakref.finalize(run, _RUN_KEYS.pop, lookup, None)  # before another object can take the run's id
     return result
 
 
