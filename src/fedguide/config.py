@@ -225,7 +225,9 @@ class EvalConfig(Strict):
                                          "set's. Personal test splits are drawn from it")
     personal_every: int = Field(
         1, ge=1, description="mode both: personal scores every this many rounds and in each of the last "
-                             "report.last_k rounds (so the personal last-k means are those of scoring every round)")
+                             "report.last_k rounds (so the personal last-k means are those of scoring every round; "
+                             "with eval.early_stop also in every round after which the run could stop within "
+                             "report.last_k rounds)")
     client_classes: bool = Field(
         False, description="also score the server's model on the test samples of each client's classes "
                            "(client_class_accuracy: client id -> accuracy; FedCADO Table 2's per-client columns); a "
@@ -242,11 +244,20 @@ class EvalConfig(Strict):
                              "every round's accuracy; write mode: both to score the clients less often")
         return self
 
-    def personal_round(self, round_: int, rounds: int, last_k: int = 1) -> bool:
+    def personal_round(self, round_: int, rounds: int, last_k: int = 1, stale: Optional[int] = None) -> bool:
         """Whether round ``round_`` of ``rounds`` scores the personalised models: every ``personal_every`` rounds
         and each of the last ``last_k`` (the report's window: the personal last-k statistics then average the
-        same rounds as when every round is scored)."""
-        return self.mode != "global" and (round_ % self.personal_every == 0 or round_ > rounds - last_k)
+        same rounds as when every round is scored).
+
+        Under ``early_stop`` the last rounds are not known in advance. ``stale`` is the number of rounds since
+        the best validation accuracy, this round's included. A run that stops after round s has gone
+        ``early_stop`` rounds without improving; each of its last ``last_k`` rounds is then at least
+        ``early_stop - last_k + 1`` rounds stale. Every round that stale is scored, so the window of an
+        early-stopped run is scored too."""
+        if self.mode == "global":
+            return False
+        watched = self.early_stop is not None and stale is not None and stale >= self.early_stop - last_k + 1
+        return round_ % self.personal_every == 0 or round_ > rounds - last_k or watched
 
 
 # Test-accuracy marks of summary.json's rounds_to_accuracy unless report.rounds_to names others.

@@ -100,6 +100,28 @@ def test_personal_every_and_refusals(tmp_path):
         prepare(tiny_config(method={"name": "zero_shot"}, eval={"mode": "personal"}))
 
 
+def test_an_early_stopped_run_scores_the_clients_in_its_last_k_rounds(tmp_path):
+    """Under eval.early_stop the last rounds are not known in advance: a round is scored once the run could stop
+    within report.last_k rounds (stale >= early_stop - last_k + 1), so the personal last-k window and the final
+    personal accuracy are those of the rounds the run ended with, not of the every-n grid before them."""
+    cfg = tiny_config({"data": {"val_fraction": 0.2, "val_from": "server"},
+                       "method": {"name": "fedbabu", "finetune_epochs": 1}, "clients": {"num": 4, "per_round": 4},
+                       "seed": 3, "train": {"rounds": 12, "epochs": 1, "batch_size": 32, "lr": 1.0},
+                       "eval": {"mode": "both", "personal_every": 5, "early_stop": 2}, "report": {"last_k": 2}})
+    # early_stop 2, last_k 2: a round at least 1 round past the best validation accuracy may be in the window
+    assert [cfg.eval.personal_round(3, 12, 2, stale) for stale in (None, 0, 1, 2)] == [False, False, True, True]
+    assert tiny_config(eval={"mode": "global", "early_stop": 1}, data={"val_fraction": 0.2}
+                       ).eval.personal_round(3, 12, 2, 5) is False
+    summary, rows, _ = run_tiny(tmp_path, cfg)
+    stopped = summary["stopped_early"]["after_round"]
+    assert stopped < 12 and len(rows) == stopped
+    vals = [r["val_accuracy"] for r in rows]
+    stale = [i - max(range(i + 1), key=lambda j: (vals[j], -j)) for i in range(len(vals))]
+    assert ["personal_accuracy" in r for r in rows] == [r["round"] % 5 == 0 or s >= 1 for r, s in zip(rows, stale)]
+    assert all("personal_accuracy" in r for r in rows[-2:])
+    assert summary["final_personal_accuracy"] == rows[-1]["personal_accuracy"]
+
+
 # Methods of this family that keep something on their clients between rounds, one per state code (FedPer's
 # is FedRep's split federation). Every method also runs in worker processes in tests/e2e/test_every_method.py.
 FEDREP = {"name": "fedrep", "head_epochs": 1}

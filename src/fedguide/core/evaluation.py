@@ -245,3 +245,10 @@ def first_best(values) -> int:
     """Index of the first maximum of ``values`` (the round a run picks by a score: the earliest on ties)."""
     values = list(values)
     return max(range(len(values)), key=lambda i: (values[i], -i))
+
+
+def rounds_since_best(values) -> int:
+    """Rounds after the first maximum of ``values`` (0 when the last value is the best): how long a run has gone
+    without improving its validation accuracy (``eval.early_stop``)."""
+    values = list(values)
+    return len(values) - 1 - first_best(values)

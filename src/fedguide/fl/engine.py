@@ -16,7 +16,7 @@ import torch
 from fedguide.config import Config
 from fedguide.core import simulated
 from fedguide.core.device import device_rules, deterministic, resolve_device, to_device
-from fedguide.core.evaluation import first_best
+from fedguide.core.evaluation import first_best, rounds_since_best
 from fedguide.core.records import record_bytes
 from fedguide.fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedguide.fl.evaluation import (personal_summary, personal_test_record, readings_summary, round_evaluation,
@@ -61,7 +61,7 @@ def round_line(m: dict[str, Any], rounds: int, eval_mode: str = "global") -> str
 
 def stale_rounds(metrics: list[dict[str, Any]]) -> int:
     """Rounds since the best validation accuracy so far (0 when the last round is the best)."""
-    return len(metrics) - 1 - first_best(m["val_accuracy"] for m in metrics)
+    return rounds_since_best(m["val_accuracy"] for m in metrics)
 
 
 class Experiment:
@@ -166,7 +166,7 @@ class Experiment:
                 ctx.server_store.recover(ckpt.round)
             for r in range(start, rounds + 1):
                 try:
-                    global_w, m = self._round(r, ctx, method, clients, global_w)
+                    global_w, m = self._round(r, ctx, method, clients, global_w, metrics)
                 except FloatingPointError as err:
                     # Recorded in the run folder, so a report shows the run as diverged, not as running.
                     self.folder.write_stopped({"reason": "diverged", "after_round": r - 1, "message": str(err)})
@@ -207,7 +207,8 @@ class Experiment:
                               "partition.json (the code or data changed); start a new run instead")
         return self.folder.resume_notes(ckpt.config, self.p.resolved, ckpt.notes, self.log)
 
-    def _round(self, r: int, ctx: RunContext, method: Method, clients: Executor, global_w: torch.Tensor):
+    def _round(self, r: int, ctx: RunContext, method: Method, clients: Executor, global_w: torch.Tensor,
+               past: list[dict[str, Any]]):
         cfg = self.cfg
         t0 = time.perf_counter()
         part = participation(cfg.seed, r, ctx.num_clients, cfg.clients)
@@ -230,7 +231,8 @@ class Experiment:
         t_train = time.perf_counter()
         global_w = self.hooks.aggregate(r, global_w, uploads)
         t_agg = time.perf_counter()
-        evaluation = round_evaluation(cfg, ctx, method, r, global_w, self.val_evaluator)
+        evaluation = round_evaluation(cfg, ctx, method, r, global_w, self.val_evaluator,
+                                      [m["val_accuracy"] for m in past if "val_accuracy" in m])
         t_eval = time.perf_counter()
         m = {"round": r, "accuracy": evaluation["accuracy"], "loss": loss,
              "seconds": t_eval - t0, "train_seconds": t_train - t0, "aggregate_seconds": t_agg - t_train,

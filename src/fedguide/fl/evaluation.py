@@ -3,12 +3,12 @@ personalised model (``Method.personal_model``) on the client's own test split; a
 partition.json and summary.json."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from fedguide.config import Config
-from fedguide.core.evaluation import Evaluator, evaluate_personal
+from fedguide.core.evaluation import Evaluator, evaluate_personal, rounds_since_best
 from fedguide.data.federated import FederatedData
 from fedguide.methods import Method, RunContext
 from fedguide.registry import ConfigError
@@ -68,16 +68,20 @@ def validation_accuracy(ctx: RunContext, method: Method, round_: int, global_wei
 
 
 def round_evaluation(cfg: Config, ctx: RunContext, method: Method, round_: int, global_weights: torch.Tensor,
-                     val: Optional[Evaluator] = None) -> dict[str, Any]:
+                     val: Optional[Evaluator] = None, past_val: Sequence[float] = ()) -> dict[str, Any]:
     """The round's test metrics. ``global``: the method's ``evaluate``; ``personal``: the personal metrics, the
     round's ``accuracy`` being the personal accuracy (the global test set is not scored); ``both``: the two
-    (the personal ones every ``eval.personal_every`` rounds and in the last ``report.last_k``). With a validation
-    split (``val``), ``val_accuracy``: the method's evaluation on it."""
+    (the personal ones every ``eval.personal_every`` rounds, in the last ``report.last_k``, and, under
+    ``eval.early_stop``, in the rounds after which the run could stop within the last k: ``past_val``, the
+    earlier rounds' validation accuracies, says how stale this one is). With a validation split (``val``),
+    ``val_accuracy``: the method's evaluation on it."""
     mode = cfg.eval.mode
     out = method.evaluate(round_, global_weights) if mode != "personal" else {}
+    stale = None
     if val is not None:
         out["val_accuracy"] = validation_accuracy(ctx, method, round_, global_weights, val)
-    if cfg.eval.personal_round(round_, cfg.train.rounds, cfg.report.last_k_for(cfg.train.rounds)):
+        stale = rounds_since_best([*past_val, out["val_accuracy"]])
+    if cfg.eval.personal_round(round_, cfg.train.rounds, cfg.report.last_k_for(cfg.train.rounds), stale):
         out = {**out, **evaluate_personal(ctx.evaluator, ctx.data.personal_test,
                                           lambda cid: method.personal_model(round_, cid, global_weights))}
         if mode == "personal":
