@@ -71,12 +71,17 @@ class Evaluator:
             return tuple(c.contiguous(memory_format=torch.channels_last) for c in chunks)
         return chunks
 
+    def _each(self, pieces, fn) -> list:
+        """``fn`` of each piece, each call in an autocast region of the run's precision."""
+        out = []
+        for piece in pieces:
+            with autocast(piece.device, self.precision):
+                out.append(fn(piece))
+        return out
+
     def _forward(self, xb: torch.Tensor, features: bool = False):
-        parts = []
-        for chunk in self._chunks(xb):
-            with autocast(chunk.device, self.precision):
-                out = self.model.forward_features(chunk) if features else self.model(chunk)
-            parts.append(tuple(o.float() for o in out) if features else out.float())
+        outs = self._each(self._chunks(xb), self.model.forward_features if features else self.model)
+        parts = [tuple(o.float() for o in out) if features else out.float() for out in outs]
         if len(parts) == 1:
             return parts[0]
         return tuple(torch.cat(p) for p in zip(*parts)) if features else torch.cat(parts)
@@ -104,17 +109,10 @@ class Evaluator:
         if encoded is None:
             encoded = []
             for xb, yb in self._batches():
-                zs = []
-                for chunk in self._chunks(xb):
-                    with autocast(chunk.device, self.precision):
-                        zs.append(self.model.encoder(chunk))
-                encoded.append((zs, yb))
+                encoded.append((self._each(self._chunks(xb), self.model.encoder), yb))
             reuse.keep(weights, encoded)
         for zs, yb in encoded:
-            parts = []
-            for z in zs:
-                with autocast(z.device, self.precision):
-                    parts.append(self.model.head(z).float())
+            parts = [logits.float() for logits in self._each(zs, self.model.head)]
             yield (parts[0] if len(parts) == 1 else torch.cat(parts)), yb
 
     def _batches(self):
