@@ -148,3 +148,35 @@ def test_combinations_that_resolve_to_different_unswept_settings_are_refused_nam
 def test_a_sweep_over_an_entry_sweeps_its_parameters_with_it(tmp_path):
     planned = plan(tiny_raw(train={"rounds": 1}), [], grid([parse_axis("partition.name=dirichlet,iid")]), tmp_path)
     assert [p.config.partition.name for p in planned] == ["dirichlet", "iid"]  # their parameters differ: allowed
+
+
+def test_method_options_give_each_swept_method_its_own_settings_from_one_config(tmp_path):
+    """method_options: {name: options} reaches the method section when it names that method, beneath the
+    section's own keys (an override of method.mu wins), so one config sweeps method.name with FedProx's mu set;
+    options of a method not run are still checked against it, before anything runs."""
+    raw = tiny_raw(train={"rounds": 1}, method_options={"fedprox": {"mu": 0.1}, "moon": {"tau": 0.2}})
+    planned = plan(raw, [], grid([parse_axis("method.name=fedavg,fedprox")]), tmp_path)
+    assert [p.config.method.name for p in planned] == ["fedavg", "fedprox"]
+    assert planned[1].config.method.params_dict()["mu"] == 0.1 and "mu" not in planned[0].config.method.params_dict()
+    assert plan(raw, ["method.mu=0.5"], grid([parse_axis("method.name=fedprox")]), tmp_path / "b"
+                )[0].config.method.params_dict()["mu"] == 0.5
+    with pytest.raises(ConfigError, match=r"method_options.moon.taus: method 'moon' has no parameter 'taus' "
+                                          r"\(did you mean 'tau'\?\)"):
+        plan(tiny_raw(method_options={"moon": {"taus": 0.2}}), [], grid([parse_axis("seed=0")]), tmp_path / "c")
+    with pytest.raises(ConfigError, match=r"unknown method 'fedproxx' \(did you mean 'fedprox'\?\)"):
+        plan(tiny_raw(method_options={"fedproxx": {"mu": 1}}), [], grid([parse_axis("seed=0")]), tmp_path / "d")
+    with pytest.raises(ConfigError, match=r"method_options maps method names to their options"):
+        build_config(tiny_raw(method_options={"fedprox": 0.1}))
+    assert not any((tmp_path / d).exists() for d in ("c", "d"))
+
+
+def test_other_methods_options_are_no_setting_of_a_run(tmp_path):
+    """A run's pinned settings and its report row hold what its own method got; the options of methods it did
+    not run neither refuse its resume nor split it from the same run made without them."""
+    from fedguide.config import flat_keys
+    from fedguide.fl.run_folder import pinned_config
+    from fedguide.report.tables import NOT_SETTINGS, _under
+
+    with_options = build_config(tiny_raw(method_options={"fedprox": {"mu": 0.1}}))
+    assert pinned_config(with_options) == pinned_config(build_config(tiny_raw()))
+    assert all(_under(k, NOT_SETTINGS) for k in flat_keys(with_options.model_dump(mode="json")) if "method_options" in k)

@@ -319,6 +319,10 @@ class Config(Strict):
     server_optimizer: Named = Field(
         Named(name="average"), description="the server's step from the aggregate (FedOpt): average (none), avgm, "
                                            "adagrad, adam, yogi; usable with any method")
+    method_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="options per method name, given to the method section when it names that "
+                                          "method (the section's own keys win): one config for a sweep over "
+                                          "method.name, e.g. {feddifrc: {lambda_ndcr: 16}}")
     seed: int = 0
     report: ReportConfig = ReportConfig()
     logging: list[LoggerName] = Field(
@@ -326,6 +330,23 @@ class Config(Strict):
                                           "tensorboard (<run>/tensorboard/), wandb (when installed); any of them")
     eval: EvalConfig = EvalConfig()
     meta: dict[str, Any] = Field(default_factory=dict, description="written by fedguide: version, git commit")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_options(cls, data: Any) -> Any:
+        """The method section with ``method_options[its name]`` beneath its own keys. The options of the other
+        names stay in ``method_options`` (checked against their methods by ``fl.setup.resolve``)."""
+        if not isinstance(data, dict) or not data.get("method_options"):
+            return data
+        options = data["method_options"]
+        if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+            raise ValueError("method_options maps method names to their options, e.g. "
+                             "method_options: {feddifrc: {lambda_ndcr: 16}}")
+        method = data.get("method", {"name": "fedavg"})
+        if isinstance(method, dict) and method.get("name", "fedavg") in options:
+            mine = {k: v for k, v in options[method.get("name", "fedavg")].items() if k != "name"}
+            data = {**data, "method": {**mine, **method}}
+        return data
 
     @model_validator(mode="after")
     def _clients(self) -> "Config":

@@ -65,6 +65,7 @@ def pinned_config(cfg: Settings) -> dict[str, Any]:
     raw.pop("meta", None)
     raw.pop("logging", None)  # how a run is watched is not what it computes: a resume may change it
     raw.pop("report", None)
+    raw.pop("method_options", None)  # what it gives this run's method is in the method section
     for section, key in UNPINNED:
         raw.get(section, {}).pop(key, None)
     return raw
