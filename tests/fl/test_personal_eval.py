@@ -126,8 +126,8 @@ def test_an_early_stopped_run_scores_the_clients_in_its_last_k_rounds(tmp_path):
 # is FedRep's split federation). Every method also runs in worker processes in tests/e2e/test_every_method.py.
 FEDREP = {"name": "fedrep", "head_epochs": 1}
 POOL = {"name": "local", "workers": 2, "threads_per_worker": 1}
-# One actor: the state still crosses into Ray and back; two actors side by side are test_simulation.py's SCAFFOLD
-# run, and each actor more is another interpreter importing torch on a loaded core.
+# One actor (runtime.workers: 1): the state still crosses into Ray and back; two actors side by side are
+# test_simulation.py's SCAFFOLD run, and each actor more is another interpreter importing torch on a loaded core.
 SIM = {"name": "flower-sim", "threads_per_worker": 1, "workers": 1}
 PFL = {"eval": {"mode": "both"}, "clients": {"num": 4, "per_round": 2}, "train": {"rounds": 2}}
 

@@ -72,6 +72,7 @@ def test_actor_count_defaults_to_cores_and_one_thread():
     assert actors_and_threads(FlowerSimParams(), per_round=8, cores=2) == (2, 1)
     assert actors_and_threads(FlowerSimParams(), per_round=1, cores=16) == (1, 1)
     assert actors_and_threads(FlowerSimParams(workers=3, threads_per_worker=2), 8, cores=2) == (3, 2)
+    assert actors_and_threads(FlowerSimParams(workers=1), per_round=8, cores=2) == (1, 1)  # 1 is one actor
 
 
 def reply(node, error=None, result=None):

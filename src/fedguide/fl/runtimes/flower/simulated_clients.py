@@ -18,8 +18,8 @@ Decisions:
 - Ray is started here (num_cpus = actors, one CPU per actor, no dashboard, logs not echoed, a private
   temporary directory), so Flower's backend finds it running and all it started stops in ``close``.
   Processes Ray started that are still alive after ``ray.shutdown`` are stopped by their own ids.
-- Actors: ``runtime.workers`` when set above 1, else one per core (at most clients per round; the
-  local runtime's "1 = in the server process" has no Flower meaning). Threads per actor:
+- Actors: ``runtime.workers`` when a number, else (``auto``, the default) one per core, at most the clients of a
+  round (the local runtime's "1 = in the server process" has no Flower meaning: 1 is one actor). Threads per actor:
   ``runtime.threads_per_worker``, default 1; the server evaluates with the same count.
 - Cost: Ray and the SuperNodes take seconds to start and each actor builds the run context in
   round 1; after that a round pays Flower's dispatch, which looks for new messages every 0.1 s
@@ -83,7 +83,7 @@ def cpu_count() -> int:
 
 def actors_and_threads(params: Any, per_round: int, cores: Optional[int] = None) -> tuple[int, int]:
     """(Ray actors, torch threads per actor) from the runtime's parameters."""
-    workers = params.workers if isinstance(params.workers, int) and params.workers > 1 else None
+    workers = params.workers if isinstance(params.workers, int) else None
     actors = workers or max(1, min(per_round, cores or cpu_count()))
     return actors, params.threads_per_worker or 1
 

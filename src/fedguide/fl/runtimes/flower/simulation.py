@@ -16,8 +16,8 @@ from fedguide.fl.runtimes.flower.simulated_clients import FlowerClients, actors_
 class FlowerSimParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     workers: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
-        1, description="Ray actors training the clients; above 1 = that many, else one per core "
-                       "(at most the clients of a round)")
+        "auto", description="Ray actors training the clients: a number = that many; auto = one per core (at most "
+                            "the clients of a round)")
     threads_per_worker: Optional[int] = Field(None, ge=1, description="torch threads per actor; null = 1")
     gpus_per_client: Optional[float] = Field(
         None, ge=0.0, le=1.0, description="share of a GPU each actor reserves (Ray's num_gpus); null = 1/actors "
