@@ -164,7 +164,7 @@ def test_cli_reports_a_failing_client_and_leaves_no_process(tmp_path, capsys):
     from fedguide.cli import main
 
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_raw(train={"rounds": 1, "lr": 1e12})))
-    code = main(["run", str(tmp_path / "tiny.yaml"), "runtime.name=flower-sim", "--quiet",
+    code = main(["run", str(tmp_path / "tiny.yaml"), "runtime.name=flower-sim", "runtime.workers=1", "--quiet",
                  "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 2
