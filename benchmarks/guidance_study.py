@@ -53,6 +53,9 @@ from fedguide.report.runs import RunRecord, last_k_mean, load_run  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "guidance_study"
 VALIDATION = ["data.val_fraction=0.1", "data.val_from=server"]
+# The variants grow from the methods' own defaults, not from what a config's method_options chose (demo.yaml's
+# choices are this study's results).
+FROM_DEFAULTS = ["method_options={}"]
 GUIDANCE = ("embedded", "oracle")
 GUIDED = ("feddifrc", "semanticfl", "align_features")
 REFERENCES = ("fedavg", "fedrcl")
@@ -147,7 +150,7 @@ def run_all(variants: list[Variant], config: Path, seeds: list[int], root: Path,
                 print(f"{v.label} seed {seed}: {'continuing' if (folder / 'config.yaml').is_file() else 'starting'} "
                       f"({datetime.now().strftime('%H:%M')})", flush=True)
                 try:
-                    ensure_run(config, folder, [f"seed={seed}", *VALIDATION, *v.overrides()])
+                    ensure_run(config, folder, [f"seed={seed}", *VALIDATION, *FROM_DEFAULTS, *v.overrides()])
                 except subprocess.CalledProcessError as err:  # e.g. in use by another process: the others go on
                     print(f"{v.label} seed {seed}: FAILED (exit {err.returncode}); the next invocation tries it again",
                           flush=True)

@@ -32,6 +32,8 @@ from _runs import REPO, ensure_run, summary  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results" / "method_defaults"
 CONFIGS = [REPO / "configs/demo.yaml", REPO / "configs/fmnist_dir0.1.yaml"]
 # Two-sided 95 % t quantiles by degrees of freedom (n - 1 paired seeds).
+# Every run's options at their defaults: a config's method_options (demo.yaml's chosen guidance weights) are not.
+FROM_DEFAULTS = ["method_options={}"]
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -55,7 +57,7 @@ def methods_for(config: Path, chosen: list[str] | None) -> tuple[list[str], list
     run, left = [], []
     for name in names:
         try:
-            check(load_config(config, [f"method.name={name}", *requirement_overrides(name)]))
+            check(load_config(config, [*FROM_DEFAULTS, f"method.name={name}", *requirement_overrides(name)]))
             run.append(name)
         except (ConfigError, ValueError) as err:
             left.append(f"{name} ({'no guidance model in the config' if not guided else err})")
@@ -81,7 +83,7 @@ def plan(config: Path, names: list[str], seeds: list[int], out: Path) -> list[tu
                 folder = run_dir(out, config, label, seed)
                 if folder not in seen:
                     seen.add(folder)
-                    runs.append((folder, [*overrides, f"seed={seed}"]))
+                    runs.append((folder, [*FROM_DEFAULTS, *overrides, f"seed={seed}"]))
     return runs
 
 

@@ -22,6 +22,11 @@ Decisions
   CLIP, ‖e‖ ≈ 12) dwarfs the cross-entropy; the gradient drives z to 0 (dead ReLUs) and the model stays
   at chance (measured on configs/smoke.yaml: 10.0 % after 3 rounds, train loss 447 → 273; normalised:
   45.2 %, FedAvg 42.1 %). The normalised loss is bounded by 4, so CE keeps its weight.
+
+Setting chosen for the embedded benchmark (configs/demo.yaml's ``method_options``; benchmarks/guidance_study.py,
+chosen on a validation tenth of the training data, seeds 0-2): λ = 16 (16x the default), +12.75 [+8.08, +18.42]
+points of last-k test accuracy over FedAvg, 2.76 below FedRCL; at λ = 1 it is +0.16, and λ = 64 scores lower on
+validation. The default stays 1.
 """
 from __future__ import annotations
 
