@@ -85,7 +85,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Optional, U
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from fedguide.guidance.condition import ConditionMap
 from fedguide.guidance.features import DiffusionFeatures, FeatureSpec
@@ -434,7 +434,6 @@ class FedDifRC(Method):
     def _refresh(self, model, ctx) -> torch.Tensor:
         """F̃ of every sample of this client under every prompt, conditioned on the received encoder's h(x)."""
         indices = ctx.data.indices.numpy()
-        device = next(model.parameters()).device
         every = torch.arange(len(self.tdcl_prompts))
         was_training = model.training
         model.eval()
