@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[1]
+# An override that runs every method on its own defaults: a study that varies a method's options, or compares
+# defaults, starts from them, not from what a config's method_options chose (demo.yaml's guidance weights).
+FROM_DEFAULTS = ["method_options={}"]
 
 
 def cli(*args: Any, capture: bool = False) -> str:

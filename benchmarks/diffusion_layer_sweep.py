@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from _runs import ensure_run, summary  # noqa: E402
+from _runs import FROM_DEFAULTS, ensure_run, summary  # noqa: E402
 
 CONFIG = REPO / "configs/demo.yaml"
 OUT_FILE = REPO / "benchmarks" / "results" / "diffusion_methods" / "layer_sweep.md"
@@ -50,8 +50,7 @@ def main() -> None:
     rows = []
     for name, overrides in VARIANTS.items():
         out = args.out / f"{slug(name)}-s{args.seed}"
-        # the methods' default options, as when the sweep was made, not demo.yaml's chosen method_options
-        s = summary(ensure_run(CONFIG, out, [f"seed={args.seed}", "method_options={}", *overrides]))
+        s = summary(ensure_run(CONFIG, out, [f"seed={args.seed}", *FROM_DEFAULTS, *overrides]))
         tail = statistics.mean(s["accuracy_curve"][-TAIL:])
         rows.append((name, s["final_accuracy"], tail, s["best_accuracy"]))
         print(f"{name:<36} final {100 * s['final_accuracy']:.2f}%  last-{TAIL} {100 * tail:.2f}%", flush=True)

@@ -44,7 +44,7 @@ from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from _runs import ensure_run, mean_std  # noqa: E402
+from _runs import FROM_DEFAULTS, ensure_run, mean_std  # noqa: E402
 
 from fedguide.core.atomic import write_text  # noqa: E402
 from fedguide.report.measures import common_k  # noqa: E402
@@ -53,9 +53,6 @@ from fedguide.report.runs import RunRecord, last_k_mean, load_run  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "guidance_study"
 VALIDATION = ["data.val_fraction=0.1", "data.val_from=server"]
-# The variants grow from the methods' own defaults, not from what a config's method_options chose (demo.yaml's
-# choices are this study's results).
-FROM_DEFAULTS = ["method_options={}"]
 GUIDANCE = ("embedded", "oracle")
 GUIDED = ("feddifrc", "semanticfl", "align_features")
 REFERENCES = ("fedavg", "fedrcl")

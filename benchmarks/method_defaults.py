@@ -27,13 +27,11 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _runs import REPO, ensure_run, summary  # noqa: E402
+from _runs import FROM_DEFAULTS, REPO, ensure_run, summary  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "method_defaults"
 CONFIGS = [REPO / "configs/demo.yaml", REPO / "configs/fmnist_dir0.1.yaml"]
 # Two-sided 95 % t quantiles by degrees of freedom (n - 1 paired seeds).
-# Every run's options at their defaults: a config's method_options (demo.yaml's chosen guidance weights) are not.
-FROM_DEFAULTS = ["method_options={}"]
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
