@@ -165,8 +165,9 @@ def test_method_options_give_each_swept_method_its_own_settings_from_one_config(
         plan(tiny_raw(method_options={"moon": {"taus": 0.2}}), [], grid([parse_axis("seed=0")]), tmp_path / "c")
     with pytest.raises(ConfigError, match=r"unknown method 'fedproxx' \(did you mean 'fedprox'\?\)"):
         plan(tiny_raw(method_options={"fedproxx": {"mu": 1}}), [], grid([parse_axis("seed=0")]), tmp_path / "d")
-    with pytest.raises(ConfigError, match=r"method_options maps method names to their options"):
-        build_config(tiny_raw(method_options={"fedprox": 0.1}))
+    for bad in ({"fedprox": 0.1}, {"fedprox": {"name": "fedprox", "mu": 0.1}}):
+        with pytest.raises(ConfigError, match=r"method_options maps method names to their options \(the key is"):
+            build_config(tiny_raw(method_options=bad))
     assert not any((tmp_path / d).exists() for d in ("c", "d"))
 
 

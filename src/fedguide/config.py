@@ -339,13 +339,12 @@ class Config(Strict):
         if not isinstance(data, dict) or not data.get("method_options"):
             return data
         options = data["method_options"]
-        if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
-            raise ValueError("method_options maps method names to their options, e.g. "
+        if not isinstance(options, dict) or not all(isinstance(v, dict) and "name" not in v for v in options.values()):
+            raise ValueError("method_options maps method names to their options (the key is the name), e.g. "
                              "method_options: {feddifrc: {lambda_ndcr: 16}}")
-        method = data.get("method", {"name": "fedavg"})
-        if isinstance(method, dict) and method.get("name", "fedavg") in options:
-            mine = {k: v for k, v in options[method.get("name", "fedavg")].items() if k != "name"}
-            data = {**data, "method": {**mine, **method}}
+        method = data.get("method", cls.model_fields["method"].default.model_dump())
+        if isinstance(method, dict) and method.get("name") in options:
+            data = {**data, "method": {**options[method["name"]], **method}}
         return data
 
     @model_validator(mode="after")

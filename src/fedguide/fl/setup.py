@@ -55,7 +55,7 @@ def resolve(cfg: Union[Config, ResolvedConfig]) -> ResolvedConfig:
             raise ConfigError(f"regularizers[{i}] has no name; write e.g. regularizers: [dw]")
         regs.append(REGULARIZERS.parse(spec.pop("name"), spec, f"regularizers[{i}]"))
     for name, options in cfg.method_options.items():  # a typo in another method's options fails here, not later
-        METHODS.parse(name, {k: v for k, v in options.items() if k != "name"}, f"method_options.{name}")
+        METHODS.parse(name, options, f"method_options.{name}")
     data = DATASETS.parse(cfg.data.name, cfg.data.params_dict(), "data")
     sections = {
         "data": DataSection(data.entry, data.params, **{k: getattr(cfg.data, k) for k in SECTION_KEYS["data"]}),
