@@ -2,6 +2,8 @@
 the mean ± std cells of their tables."""
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import signal
 import statistics
@@ -10,7 +12,18 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from fedguide.core.atomic import write_atomic
+
 REPO = Path(__file__).resolve().parents[1]
+RUNS = REPO / "runs"
+# A finished run's record, kept in the repository (benchmarks/results/records/<its path below runs/>): what a
+# report reads, without checkpoints and weights, and the request it answered (config file, its hash, the
+# overrides). runs/ is not kept (a fresh clone has none), so a suite longer than one sitting would start again
+# from nothing; with these it restores the runs it finished and goes on. partition.json (the scored test
+# subset's indices) is kept gzipped.
+RECORDS = REPO / "benchmarks" / "results" / "records"
+RECORD_FILES = ("config.yaml", "partition.json", "metrics.jsonl", "summary.json")  # summary.json last
+REQUEST_FILE = "request.json"
 # An override that runs every method on its own defaults: a study that varies a method's options, or compares
 # defaults, starts from them, not from what a config's method_options chose (demo.yaml's guidance weights).
 FROM_DEFAULTS = ["method_options={}"]
@@ -45,16 +58,95 @@ def cli(*args: Any, capture: bool = False) -> str:
     return out if capture else ""
 
 
-def ensure_run(config: Path | str, out: Path, overrides: list[str], quiet: bool = True) -> Path:
-    """The finished run in ``out``: kept when it has its summary.json, continued with ``fedguide resume``
-    when it was started (its config.yaml is there: checkpoints, or a one-shot method's finished clients,
-    are picked up), else started with ``overrides``."""
-    if not (out / "summary.json").exists():
+def record_of(out: Path) -> Optional[Path]:
+    """Where the record of the run folder ``out`` is kept: None for a folder outside runs/."""
+    out = Path(out).resolve()
+    return RECORDS / out.relative_to(RUNS) if out.is_relative_to(RUNS) else None
+
+
+def request(config: Path | str, overrides: list[str]) -> dict[str, Any]:
+    """What a run was asked for: a record answers a later request only if this is the same (an edited config
+    file, or other overrides, mean another run)."""
+    path = Path(config).resolve()
+    return {"config": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path),
+            "config_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "overrides": [str(o) for o in overrides]}
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    # each file whole: an interrupted copy is never taken for a finished run (summary.json goes last)
+    write_atomic(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def _stored(name: str) -> str:
+    return name + ".gz" if name == "partition.json" else name
+
+
+def _read_request(record: Path) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads((record / REQUEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def keep_record(out: Path, asked: dict[str, Any]) -> None:
+    """Write the finished run in ``out`` to its record (``record_of``) with the request ``asked``; a record of
+    another request there is replaced. Nothing for a folder outside runs/ or an unfinished run."""
+    record = record_of(out)
+    if record is None or not (out / "summary.json").is_file():
+        return
+    (record / "summary.json").unlink(missing_ok=True)  # a half-replaced record is not a finished one
+    for name in RECORD_FILES:
+        stored = record / _stored(name)
+        if (out / name).is_file():
+            data = (out / name).read_bytes()
+            # mtime 0: the same run gives the same bytes, so keeping it again is no change to commit
+            _write_bytes(stored, gzip.compress(data, mtime=0) if stored.suffix == ".gz" else data)
+        else:
+            stored.unlink(missing_ok=True)
+        if name == RECORD_FILES[-2]:  # the request before the summary: a summary always has its request
+            _write_bytes(record / REQUEST_FILE, (json.dumps(asked, indent=1) + "\n").encode())
+
+
+def restore_run(out: Path, asked: dict[str, Any]) -> bool:
+    """Write ``out``'s kept record back into runs/ when it answers ``asked`` and ``out`` holds no run yet;
+    whether it did. A record of another request is left alone (the run is made anew and replaces it)."""
+    record = record_of(out)
+    if record is None or not (record / "summary.json").is_file():
+        return False
+    if (out / "summary.json").exists() or (out / "config.yaml").exists():
+        return False
+    if _read_request(record) != asked:
+        print(f"{record.relative_to(REPO)}: kept for another request (config or overrides changed); "
+              "running it anew", flush=True)
+        return False
+    for name in RECORD_FILES:
+        stored = record / _stored(name)
+        if stored.is_file():
+            data = stored.read_bytes()
+            _write_bytes(out / name, gzip.decompress(data) if stored.suffix == ".gz" else data)
+    print(f"{out.relative_to(REPO)}: restored from its record", flush=True)
+    return True
+
+
+def ensure_run(config: Path | str, out: Path, overrides: list[str], quiet: bool = True,
+               execute: bool = True) -> Path:
+    """The finished run in ``out``: kept when it has its summary.json, restored from its record (see
+    RECORDS) when that answers the same request, continued with ``fedguide resume`` when it was started (its
+    config.yaml is there: checkpoints, or a one-shot method's finished clients, are picked up), else started
+    with ``overrides``. A finished run without a record gets one. ``execute`` False: restore only, run nothing
+    (a suite's --report)."""
+    out = Path(out)
+    asked = request(config, overrides)
+    restore_run(out, asked)
+    if execute and not (out / "summary.json").exists():
         flags = ["--quiet"] if quiet else []
         if (out / "config.yaml").is_file():
             cli("resume", out, *flags)
         else:
             cli("run", config, *flags, "--out", out, *overrides)
+    record = record_of(out)
+    if record is not None and (out / "summary.json").is_file() and _read_request(record) != asked:
+        keep_record(out, asked)
     return out
 
 

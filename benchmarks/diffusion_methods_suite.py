@@ -187,10 +187,14 @@ def main() -> None:
     if skipped:
         print(f"not registered, skipped: {', '.join(skipped)}", flush=True)
     cache = [f"guidance.feature_cache={args.cache}"] if args.cache else []
-    for seed in [] if args.report_only else args.seeds:  # seed-major: each seed's features are extracted once, early
+    for seed in args.seeds:  # seed-major: each seed's features are extracted once, early
         for sc in args.scenarios:
             for m in methods:
-                run(args.out / sc / f"{m}-s{seed}", SCENARIOS[sc] + METHODS[m] + cache + [f"seed={seed}", *args.set])
+                out = args.out / sc / f"{m}-s{seed}"
+                overrides = SCENARIOS[sc] + METHODS[m] + cache + [f"seed={seed}", *args.set]
+                ensure_run(CONFIG, out, overrides, execute=False)  # an earlier sitting's run, from its record
+                if not args.report_only:
+                    run(out, overrides)
     results = args.results
     results.mkdir(parents=True, exist_ok=True)
     # The tables hold every finished run on disk: the costlier baselines may have been run on fewer seeds

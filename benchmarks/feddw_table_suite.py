@@ -317,6 +317,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if missing:
         print(f"not registered, so not run: {', '.join(missing)}", flush=True)
     runs = plan(args.out.resolve(), args.settings, args.seeds, available, args.only)
+    for run in runs:  # the runs finished in an earlier sitting, from their records (and records for new ones)
+        ensure_run(CONFIG, run.out, list(run.overrides), execute=False)
     failed = [] if args.report else execute(runs)
     report(runs, args.settings, failed, missing, args.results.resolve())
 

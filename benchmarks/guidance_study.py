@@ -143,11 +143,13 @@ def run_all(variants: list[Variant], config: Path, seeds: list[int], root: Path,
     for seed in seeds:
         for v in variants:
             folder = root / f"{v.slug()}-s{seed}"
+            overrides = [f"seed={seed}", *VALIDATION, *FROM_DEFAULTS, *v.overrides()]
+            ensure_run(config, folder, overrides, execute=False)  # restored from its record, if it has one
             if execute and not (folder / "summary.json").is_file():
                 print(f"{v.label} seed {seed}: {'continuing' if (folder / 'config.yaml').is_file() else 'starting'} "
                       f"({datetime.now().strftime('%H:%M')})", flush=True)
                 try:
-                    ensure_run(config, folder, [f"seed={seed}", *VALIDATION, *FROM_DEFAULTS, *v.overrides()])
+                    ensure_run(config, folder, overrides)
                 except subprocess.CalledProcessError as err:  # e.g. in use by another process: the others go on
                     print(f"{v.label} seed {seed}: FAILED (exit {err.returncode}); the next invocation tries it again",
                           flush=True)

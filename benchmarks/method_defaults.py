@@ -138,8 +138,10 @@ def main() -> None:
     for config in args.configs:
         config = config.resolve()
         names, left = methods_for(config, args.methods)
+        runs = plan(config, names, args.seeds, args.out)
+        for folder, overrides in runs:  # the runs of an earlier sitting, from their records
+            ensure_run(config, folder, overrides, execute=False)
         if not args.report:
-            runs = plan(config, names, args.seeds, args.out)
             for i, (folder, overrides) in enumerate(runs, 1):
                 print(f"[{i}/{len(runs)}] {config.stem}: {folder.name}", flush=True)
                 try:

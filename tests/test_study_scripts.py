@@ -1,5 +1,8 @@
 """The study scripts' own logic: the guidance study's edge stage and its chosen-variant file, and the reading of
-two FedDW tables into where the rows moved."""
+two FedDW tables into where the rows moved, and the records that carry a suite's finished runs across sittings."""
+import shutil
+from pathlib import Path
+
 import pytest
 
 import feddw_table_moves as moves
@@ -58,3 +61,71 @@ def test_moves_set_each_cell_beside_its_earlier_value_with_the_seeds_each_side_h
     assert "| FedAvg | 84.88 → 85.77 (+0.89) (1 vs 3 seeds) | 63.39 → 57.32 (-6.07) |" in text
     assert "| FedRep | 74.72 → 71.88 (-2.84) (2 vs 3 seeds) | — |" in text
     assert "every statistic" not in text  # only Table I's section is read
+
+
+def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_request(tmp_path, monkeypatch, capsys):
+    """runs/ is not in the repository: a suite run over several sittings restores what it finished from
+    benchmarks/results/records, and never a record of other settings."""
+    import gzip
+    import json
+
+    import _runs
+
+    monkeypatch.setattr(_runs, "REPO", tmp_path)
+    monkeypatch.setattr(_runs, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(_runs, "RECORDS", tmp_path / "records")
+    config = tmp_path / "c.yaml"
+    config.write_text("seed: 0\n")
+    calls = []
+
+    def fake_cli(*args, capture=False):  # a run that writes what a finished run folder holds
+        calls.append(args[0])
+        out = Path(args[args.index("--out") + 1])
+        out.mkdir(parents=True)
+        for name, text in (("config.yaml", "c"), ("partition.json", "[1, 2]" * 50), ("metrics.jsonl", "{}\n"),
+                           ("summary.json", json.dumps({"args": [str(a) for a in args]}))):
+            (out / name).write_text(text)
+        (out / "checkpoints").mkdir()
+        return ""
+
+    monkeypatch.setattr(_runs, "cli", fake_cli)
+    out = tmp_path / "runs" / "suite" / "fedavg-s0"
+    _runs.ensure_run(config, out, ["seed=0"])
+    record = tmp_path / "records" / "suite" / "fedavg-s0"
+    assert sorted(p.name for p in record.iterdir()) == ["config.yaml", "metrics.jsonl", "partition.json.gz",
+                                                       "request.json", "summary.json"]
+    assert gzip.decompress((record / "partition.json.gz").read_bytes()) == (out / "partition.json").read_bytes()
+    assert json.loads((record / "request.json").read_text()) == {
+        "config": "c.yaml", "config_sha256": json.loads((record / "request.json").read_text())["config_sha256"],
+        "overrides": ["seed=0"]}
+
+    # a fresh clone: no runs/; the same request restores the run without running it
+    kept = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    shutil.rmtree(tmp_path / "runs")
+    _runs.ensure_run(config, out, ["seed=0"], execute=False)
+    assert calls == ["run"] and {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == kept
+
+    # other overrides, or an edited config file: not that run; made anew, and its record replaced
+    for change in ("overrides", "config"):
+        shutil.rmtree(tmp_path / "runs")
+        overrides = ["seed=0", "train.lr=0.1"] if change == "overrides" else ["seed=0"]
+        if change == "config":
+            config.write_text("seed: 0\ntrain: {lr: 0.1}\n")
+        _runs.ensure_run(config, out, overrides, execute=False)
+        assert not out.exists()
+        assert "kept for another request" in capsys.readouterr().out
+        _runs.ensure_run(config, out, overrides)
+        assert json.loads((record / "request.json").read_text())["overrides"] == overrides
+    assert calls == ["run", "run", "run"]
+
+    # a record never overwrites a started run; a record cut short (no summary.json) is no finished run
+    asked = _runs.request(config, ["seed=0"])
+    shutil.rmtree(tmp_path / "runs")
+    out.mkdir(parents=True)
+    (out / "config.yaml").write_text("started")
+    assert not _runs.restore_run(out, asked) and (out / "config.yaml").read_text() == "started"
+    shutil.rmtree(tmp_path / "runs")
+    assert _runs.restore_run(out, asked)
+    shutil.rmtree(tmp_path / "runs")
+    (record / "summary.json").unlink()
+    assert not _runs.restore_run(out, asked) and not out.exists()
