@@ -5,7 +5,9 @@ clients, the CNN, 20 rounds of E = 1, full participation so every method of a se
 partition and the same clients each round). Scenarios: Dirichlet 0.05, Dirichlet 0.2, NID2 (9 single-class
 clients + 1 holding every class, 10 clients) and long tail rho = 10 with Dirichlet 0.2 on top. Methods:
 FedAvg, MOON, FedRCL (when registered), FedDifRC (fused features lifted from 256 dims into the CNN's 512,
-see the config), SemanticFL; seeds 0-2.
+see the config), SemanticFL; seeds 0-2. FedDifRC and SemanticFL run with the options the guidance study chose
+on the demo's validation split (``--options chosen``, the default; see CHOSEN_ON below), or on their papers'
+defaults (``--options defaults``, the tables published before the study).
 
 Outputs, under benchmarks/results/diffusion_methods/:
 - ``<scenario>/`` the ``fedguide report`` of its runs (table with final and best accuracy, curves);
@@ -22,7 +24,7 @@ Resumable: a finished run (summary.json) is kept; an interrupted one resumes fro
 feature caches are shared through guidance.feature_cache, so each seed's features are extracted once
 (the Dirichlet and NID2 scenarios train on the same samples; the long tail on a subset, extracted apart).
 
-    .venv/bin/python benchmarks/diffusion_methods_suite.py [--out runs/diffusion_methods] [--seeds 0 1 2]
+    .venv/bin/python benchmarks/diffusion_methods_suite.py [--options chosen|defaults] [--out DIR] [--seeds 0 1 2]
         [--scenarios dir0.05 dir0.2 nid2 lt10] [--methods fedavg moon fedrcl feddifrc semanticfl]
         [--set guidance.model=DIR ...] [--results DIR]
 """
@@ -59,12 +61,36 @@ METHODS = {
     "semanticfl": ["method.name=semanticfl"],
 }
 GUIDED = ("feddifrc", "semanticfl")
+# --options chosen (the default): the guided methods run with the options benchmarks/guidance_study.py chose
+# for the embedded model on the demo's validation split (benchmarks/results/guidance_study/demo.chosen.json,
+# also configs/demo.yaml's method_options), not tuned again here: this suite is their test on other
+# partitions. --options defaults runs each method's own defaults, the papers' values (the tables before the
+# study); its runs and tables go to their own folders (runs/diffusion_methods/defaults, RESULTS/defaults).
+CHOSEN_ON = "demo"
 TAIL = 4  # rounds averaged in the last-rounds table (an even number: both phases of a period-2 swing)
 
 
 def registered() -> set[str]:
     out = cli("list", "--json", capture=True)
     return {m["name"] for m in json.loads(out)["methods"]}
+
+
+def method_overrides(options: str) -> dict[str, list[str]]:
+    """METHODS with, for ``options`` 'chosen', the guided methods' options the guidance study chose on the
+    embedded model."""
+    if options == "defaults":
+        return METHODS
+    from guidance_study import read_chosen
+
+    chosen = read_chosen(CHOSEN_ON)
+    out = dict(METHODS)
+    for m in GUIDED:
+        variant = chosen.get((m, "embedded"))
+        if variant is None:
+            raise SystemExit(f"the guidance study chose nothing for {m} on the embedded model; run it, or pass "
+                             "--options defaults")
+        out[m] = METHODS[m] + [f"method.{k}={v}" for k, v in variant.options]
+    return out
 
 
 def run(out: Path, overrides: list[str]) -> Path:
@@ -170,17 +196,23 @@ def write_tables(runs: dict, scenarios: list[str], methods: list[str], seeds: li
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=REPO / "runs" / "diffusion_methods")
+    ap.add_argument("--options", choices=("chosen", "defaults"), default="chosen",
+                    help="the guided methods' options: the guidance study's choice, or the methods' (papers') defaults")
+    ap.add_argument("--out", type=Path, default=None, help="default: runs/diffusion_methods/<options>")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--report-only", action="store_true", help="write the tables from the finished runs only")
     ap.add_argument("--cache", type=Path, default=None, help="guidance.feature_cache (default: the usual cache)")
-    ap.add_argument("--results", type=Path, default=RESULTS,
-                    help="where the tables go (a sub-folder keeps the published ones, e.g. for other guidance models)")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="where the tables go (a sub-folder keeps the published ones, e.g. for other guidance "
+                         "models); default: RESULTS for --options chosen, RESULTS/defaults for defaults")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="overrides given to every run (e.g. guidance.model=DIR for other guidance models)")
     args = ap.parse_args()
+    args.out = args.out or REPO / "runs" / "diffusion_methods" / args.options
+    args.results = args.results or (RESULTS if args.options == "chosen" else RESULTS / "defaults")
+    options = method_overrides(args.options)
     known = registered()
     methods = [m for m in args.methods if m in known]
     skipped = sorted(set(args.methods) - set(methods))
@@ -191,7 +223,7 @@ def main() -> None:
         for sc in args.scenarios:
             for m in methods:
                 out = args.out / sc / f"{m}-s{seed}"
-                overrides = SCENARIOS[sc] + METHODS[m] + cache + [f"seed={seed}", *args.set]
+                overrides = SCENARIOS[sc] + options[m] + cache + [f"seed={seed}", *args.set]
                 ensure_run(CONFIG, out, overrides, execute=False)  # an earlier sitting's run, from its record
                 if not args.report_only:
                     run(out, overrides)
