@@ -31,6 +31,29 @@ def test_round_trip_loads_every_component_frozen(sd_model, tiny_sd):
         assert torch.equal(a, b), k
 
 
+def test_loaded_weights_sit_in_aligned_memory_as_on_a_device(sd_model):
+    """oneDNN may round differently on weights 8 bytes off a 64-byte boundary (from_pretrained's views into the
+    safetensors file); a loaded pipeline's CPU weights are all aligned, as the simulated device's copies are."""
+    from fedguide.guidance.components import ALIGNMENT, align_weights
+
+    m = sd_model
+    for module in (m.unet, m.vae, m.text_encoder, m.image_encoder.vision):
+        assert all(t.data_ptr() % ALIGNMENT == 0 for t in (*module.parameters(), *module.buffers()))
+    # an unaligned view is copied (same values, aligned); an aligned weight keeps its memory
+    storage = torch.arange(34, dtype=torch.float32)
+    layer = torch.nn.Linear(4, 4)
+    layer.weight.data = storage[2:18].view(4, 4)  # 8 bytes in
+    layer.bias.data = storage[16:20]  # 64 bytes in
+    kept = layer.bias.data_ptr()
+    assert layer.weight.data_ptr() % ALIGNMENT and storage.data_ptr() % ALIGNMENT == 0
+    encoder = type("Encoder", (), {})()  # an encoder wrapper holding its modules, as ClipImageEncoder does
+    encoder.vision = layer
+    align_weights(encoder)
+    assert layer.weight.data_ptr() % ALIGNMENT == 0
+    assert torch.equal(layer.weight, torch.arange(2, 18, dtype=torch.float32).view(4, 4))
+    assert layer.bias.data_ptr() == kept
+
+
 def test_fingerprint_follows_the_weights(tiny_sd, tmp_path):
     copy = shutil.copytree(tiny_sd, tmp_path / "copy")
     assert fingerprint(copy, "x") == fingerprint(tiny_sd, "x")

@@ -6,12 +6,11 @@ The configs are the methods' own tests' smallest ones (test_feddifrc.py, test_se
 test_fedrcl_table6.py, conftest's digits_config, test_feddisc.py, test_feddisc_baselines.py, test_fedcado.py,
 test_feddf.py), cut to one round.
 
-Bit-identical, not close: both runs compute on the CPU with the same kernels. One known way for them to part in
-the last bits: the CPU run's guidance model keeps its weights where ``from_pretrained`` put them (views into the
-safetensors file, 8 bytes off a 64-byte boundary) while the simulated device's copies are freshly allocated
-(aligned), and oneDNN may round a convolution differently on the two. At these settings no metric sees it
-(generated images are stored as 8-bit pixels); ``method.pixel_format: float32`` in FedCADO does (about 1e-7 in its
-losses).
+Bit-identical, not close: both runs compute on the CPU with the same kernels. The guidance model's weights are
+where they could part: ``from_pretrained`` leaves them as views into the safetensors file, 8 bytes off a 64-byte
+boundary, while the simulated device's copies are freshly allocated (aligned), and oneDNN may round a convolution
+differently on the two. On an AMD EPYC host FedRCL's and FedDDA's round-1 losses parted by about 2e-6 (relative);
+``guidance.components.align_weights`` now copies unaligned weights on load, so both runs read aligned memory.
 """
 from __future__ import annotations
 

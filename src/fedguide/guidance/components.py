@@ -116,6 +116,25 @@ def _image_encoder(cfg: GuidanceConfig, folder: Path, extras: dict, text_encoder
     return load_image_encoder(str(encoder_source), None, device, dtype)
 
 
+# The CPU allocator's alignment. from_pretrained leaves weights as views into the memory-mapped safetensors file,
+# mostly 8 bytes off such a boundary, and oneDNN may round a convolution differently on unaligned weights; a GPU,
+# and the simulated device, compute on fresh (aligned) copies. Copying the unaligned ones here makes a CPU run
+# compute what the device path computes, bit for bit (tests/methods/test_guided_simulated.py; on some CPUs the
+# two parted in the last bits of FedRCL's and FedDDA's losses).
+ALIGNMENT = 64
+
+
+def align_weights(obj: object) -> None:
+    """Give every CPU parameter and buffer of ``obj`` (a module, or an encoder holding modules) whose memory is
+    not ``ALIGNMENT``-aligned a fresh copy of its own; aligned ones (still shared with the file) stay."""
+    modules = [obj] if isinstance(obj, torch.nn.Module) else \
+        [v for v in vars(obj).values() if isinstance(v, torch.nn.Module)] if hasattr(obj, "__dict__") else []
+    for module in modules:
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor.device.type == "cpu" and tensor.data_ptr() % ALIGNMENT:
+                tensor.data = tensor.data.clone()
+
+
 def load_components(cfg: GuidanceConfig) -> dict:
     """GuidanceModel's keyword arguments for ``cfg``: every component, read in the device's dtype."""
     import transformers
@@ -130,5 +149,8 @@ def load_components(cfg: GuidanceConfig) -> dict:
     extras = _fedguide_json(folder)
     parts = _read_pipeline(folder, extras, cfg.model, dtype)
     image_encoder = _image_encoder(cfg, folder, extras, parts["text_encoder"], parts["tokenizer"], device, dtype)
+    for part in (*parts.values(), image_encoder):
+        if part is not None:
+            align_weights(part)
     return {**parts, "image_encoder": image_encoder, "model_id": fingerprint(folder, cfg.model), "device": device,
             "dtype": dtype, "image_token_scale": extras.get("image_token_scale")}
