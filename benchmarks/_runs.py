@@ -110,6 +110,7 @@ def keep_record(out: Path, asked: dict[str, Any]) -> None:
 def restore_run(out: Path, asked: dict[str, Any]) -> bool:
     """Write ``out``'s kept record back into runs/ when it answers ``asked`` and ``out`` holds no run yet;
     whether it did. A record of another request is left alone (the run is made anew and replaces it)."""
+    out = Path(out).resolve()
     record = record_of(out)
     if record is None or not (record / "summary.json").is_file():
         return False
