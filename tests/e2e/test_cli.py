@@ -24,7 +24,7 @@ def test_smoke_config_writes_the_run_directory_contract(tmp_path):
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["seed"] == 0 and cfg["method"]["name"] == "fedavg"
-    assert cfg["meta"]["version"] and "git_commit" in cfg["meta"]
+    assert cfg["meta"]["version"] and "git_commit" in cfg["meta"] and cfg["meta"]["cpu"]
     assert cfg["partition"]["alpha"] == 0.5 and cfg["partition"]["min_size"] == 10  # resolved defaults
 
     rows = metrics(run)

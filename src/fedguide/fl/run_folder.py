@@ -1,6 +1,6 @@
 """A run folder: what it holds, what state it is in, and the one place that writes it.
 
-    config.yaml      the resolved config (every default written out) with ``meta``: versions, commit
+    config.yaml      the resolved config (every default written out) with ``meta``: versions, commit, CPU
     partition.json   the clients' class (and domain) counts, the public pool, the scored test subset
     metrics.jsonl    one line per committed round
     checkpoints/     the last round's global weights, server state, metrics and pinned config
@@ -150,6 +150,18 @@ def git_commit() -> Optional[str]:
     if out.returncode != 0:
         return None
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def host_cpu() -> str:
+    """The CPU's model name. Runs of one config on two CPU models may part in the last bits (their kernels
+    round differently), and so may their later rounds: config.yaml says which CPU a run computed on."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 RESTORE = "restore the file the run wrote (from a backup, or undo the edit)"
@@ -454,7 +466,7 @@ class RunFolder:
 
         cfg = cfg.model_copy(deep=True)
         cfg.meta = {"version": fedguide.__version__, "git_commit": git_commit(), "torch": torch.__version__,
-                    "python": platform.python_version()}
+                    "python": platform.python_version(), "cpu": host_cpu()}
         write_text(self.path / CONFIG_FILE, to_yaml(cfg))
 
     def write_partition(self, record: dict[str, Any]) -> None:
