@@ -127,8 +127,10 @@ ALIGNMENT = 64
 def align_weights(obj: object) -> None:
     """Give every CPU parameter and buffer of ``obj`` (a module, or an encoder holding modules) whose memory is
     not ``ALIGNMENT``-aligned a fresh copy of its own; aligned ones (still shared with the file) stay."""
-    modules = [obj] if isinstance(obj, torch.nn.Module) else \
-        [v for v in vars(obj).values() if isinstance(v, torch.nn.Module)] if hasattr(obj, "__dict__") else []
+    if isinstance(obj, torch.nn.Module):
+        modules = [obj]
+    else:  # a tokenizer or a config holds none
+        modules = [v for v in getattr(obj, "__dict__", {}).values() if isinstance(v, torch.nn.Module)]
     for module in modules:
         for tensor in (*module.parameters(), *module.buffers()):
             if tensor.device.type == "cpu" and tensor.data_ptr() % ALIGNMENT:
