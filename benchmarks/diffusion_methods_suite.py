@@ -224,9 +224,10 @@ def main() -> None:
             for m in methods:
                 out = args.out / sc / f"{m}-s{seed}"
                 overrides = SCENARIOS[sc] + options[m] + cache + [f"seed={seed}", *args.set]
-                ensure_run(CONFIG, out, overrides, execute=False)  # an earlier sitting's run, from its record
-                if not args.report_only:
-                    run(out, overrides)
+                if args.report_only:
+                    ensure_run(CONFIG, out, overrides, execute=False)  # an earlier sitting's run, from its record
+                else:
+                    run(out, overrides)  # restores it too, or runs it
     results = args.results
     results.mkdir(parents=True, exist_ok=True)
     # The tables hold every finished run on disk: the costlier baselines may have been run on fewer seeds
