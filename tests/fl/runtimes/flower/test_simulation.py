@@ -14,6 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 from fedguide.fl.client_step import ClientResult
+from fedguide.fl.runtimes.flower.processes import command_line, is_ray_process
 from fedguide.fl.runtimes.flower.records import decode, encode
 from fedguide.fl.runtimes.flower.simulated_clients import (FlowerClientFailed, FlowerClients, actors_and_threads,
                                                            descendants, results_in_job_order)
@@ -107,17 +108,41 @@ def test_a_failed_client_is_named():
         results_in_job_order(4, [2], {901: 2}, [wrapped])
 
 
+def test_ray_processes_are_told_by_their_program_not_their_arguments(tmp_path):
+    """A fork server started after `import ray` carries Ray's folders in its sys.path argument: not Ray's. A worker
+    titled ray::..., raylet, and a script of Ray's package are."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "site-packages" / "ray" / "dashboard.py"
+    script.parent.mkdir(parents=True)
+    script.write_text("import time\ntime.sleep(30)\n")
+    sleeper = "import time; time.sleep(30)  # sys_path: ['/x/site-packages/ray/thirdparty_files']"
+    procs = {"worker": subprocess.Popen(["bash", "-c", "exec -a ray::IDLE sleep 30"]),
+             "raylet": subprocess.Popen(["bash", "-c", f"exec -a {tmp_path}/raylet sleep 30"]),
+             "script": subprocess.Popen([sys.executable, "-u", str(script)]),
+             "fork server": subprocess.Popen([sys.executable, "-B", "-c", sleeper])}
+    try:
+        deadline = time.time() + 30
+        while any(command_line(p.pid).startswith("bash") for p in procs.values()) and time.time() < deadline:
+            time.sleep(0.02)  # until bash has exec'd its program under the new name
+        verdict = {name: is_ray_process(p.pid) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+    assert verdict == {"worker": True, "raylet": True, "script": True, "fork server": False}
+    assert not is_ray_process(procs["worker"].pid)  # gone
+
+
 def files(run_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
 
 
-def ray_like(pids) -> list[int]:
-    def cmd(pid):
-        try:
-            return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            return ""
-    return [p for p in pids if "ray" in cmd(p) or "raylet" in cmd(p) or "gcs_server" in cmd(p)]
+def ray_like(pids) -> list[str]:
+    """The Ray processes among ``pids``, each as "pid: command line" so that a failure names what was left."""
+    return [f"{p}: {command_line(p)[:200]}" for p in sorted(pids) if is_ray_process(p)]
 
 
 @pytest.mark.e2e

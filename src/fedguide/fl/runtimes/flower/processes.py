@@ -80,6 +80,19 @@ def command_line(pid: int) -> str:
         return ""
 
 
+def is_ray_process(pid: int) -> bool:
+    """Whether ``pid`` runs Ray: a worker or actor (titled ``ray::...``), raylet, the GCS server, or one of Ray's
+    Python scripts (dashboard, log monitor, autoscaler monitor). Judged by the program and script, not by any
+    argument: a fork server started after ``import ray`` carries Ray's folders in its ``sys.path`` argument."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    program = args[0]
+    return (program.startswith("ray::") or Path(program).name in ("raylet", "gcs_server")
+            or any(a.endswith(".py") and "/ray/" in a for a in args[1:3]))
+
+
 def stop_processes(pids: set[int], grace_s: float = 5.0) -> None:
     """SIGTERM, then SIGKILL whatever is left after ``grace_s``."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
