@@ -27,7 +27,7 @@ demo: setup data
 # once beforehand none of them compiles fedguide again, even where PYTHONDONTWRITEBYTECODE keeps them from caching.
 test: setup data
 	$(BIN)/python -m compileall -q -j 0 src benchmarks tests > /dev/null
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests -n auto --dist loadgroup --no-loadscope-reorder
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests -n auto --maxschedchunk 1
 
 bench: setup data
 	$(BIN)/python benchmarks/engine_overhead.py

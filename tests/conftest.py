@@ -51,31 +51,14 @@ def tiny_clip(tmp_path_factory):
 import torch  # noqa: E402
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(config, items):
     slowest_files_first(items)
-    group_by_shared_fixture(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run pytest -m gpu, or scripts/device-check.sh, on a GPU host)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
-
-
-# ---- tests that share an expensive fixture run in one worker ----
-# A module or session fixture is built once per pytest-xdist worker: tests that share one, handed to both workers,
-# build it twice (the oracle on digits_domains, ~13 s; the frozen encoder's embedding of the FedDISC smoke data,
-# ~10 s). `make test` distributes by group (--dist loadgroup), so each group below goes to one worker whole; every
-# other test is a group of its own, handed out in the order below as before.
-SHARED_FIXTURES = {"digits_cache": "oracle-on-digits", "embedded_feature_cache": "embedded-features"}
-
-
-def group_by_shared_fixture(items):
-    for item in items:
-        for fixture, group in SHARED_FIXTURES.items():
-            if fixture in getattr(item, "fixturenames", ()):
-                item.add_marker(pytest.mark.xdist_group(group))
 
 
 # ---- the slowest files start first: on two workers a minute-long test that starts last sets the wall time ----

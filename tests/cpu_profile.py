@@ -2,7 +2,7 @@
 the child processes it waited for (a test's own subprocesses; Ray actors and pool workers it did not wait for
 are not counted), one JSON file per xdist worker:
 
-    FEDGUIDE_CPU_PROFILE=/tmp/prof pytest tests -n auto --dist loadgroup --no-loadscope-reorder -p tests.cpu_profile
+    FEDGUIDE_CPU_PROFILE=/tmp/prof pytest tests -n auto --maxschedchunk 1 -p tests.cpu_profile
     python -m tests.cpu_profile /tmp/prof          # the table: files by wall time, with CPU and the idle rest
 
 Only loaded when named with -p: the suite itself never imports it. Where the suite's time goes is a question of
