@@ -125,8 +125,10 @@ def test_ray_processes_are_told_by_their_program_not_their_arguments(tmp_path):
              "fork server": subprocess.Popen([sys.executable, "-B", "-c", sleeper])}
     try:
         deadline = time.time() + 30
-        while any(command_line(p.pid).startswith("bash") for p in procs.values()) and time.time() < deadline:
-            time.sleep(0.02)  # until bash has exec'd its program under the new name
+        # Until bash has exec'd its program under the new name (mid-exec the command line reads empty).
+        while any(not command_line(p.pid) or command_line(p.pid).startswith("bash") for p in procs.values()):
+            assert time.time() < deadline, {name: command_line(p.pid) for name, p in procs.items()}
+            time.sleep(0.02)
         verdict = {name: is_ray_process(p.pid) for name, p in procs.items()}
     finally:
         for p in procs.values():
