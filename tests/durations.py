@@ -12,32 +12,42 @@ import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Iterable, Iterator
 
 OUT = Path(__file__).with_name("durations.json")
 
 
-def slowest_per_file(junit: Path) -> dict[str, float]:
-    slowest: dict[str, float] = {}
+def slowest(timings: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """Each file's slowest test, slowest file first, from (test file, seconds) pairs."""
+    table: dict[str, float] = {}
+    for path, seconds in timings:
+        table[path] = max(table.get(path, 0.0), round(float(seconds), 1))
+    return dict(sorted(table.items(), key=lambda kv: -kv[1]))
+
+
+def junit_timings(junit: Path) -> Iterator[tuple[str, float]]:
     for case in ET.parse(junit).iter("testcase"):
         # classname is the dotted module path (tests.e2e.test_cli), a test class's name appended (TestX)
         parts = case.get("classname", "").split(".")
         while parts and not parts[-1].startswith("test_"):
             parts.pop()
-        if not parts:
-            continue
-        path = "/".join(parts) + ".py"
-        slowest[path] = max(slowest.get(path, 0.0), round(float(case.get("time", 0.0)), 1))
-    return dict(sorted(slowest.items(), key=lambda kv: -kv[1]))
+        if parts:
+            yield "/".join(parts) + ".py", float(case.get("time", 0.0))
+
+
+def profile_timings(folder: Path) -> Iterator[tuple[str, float]]:
+    """tests/cpu_profile.py's rows (node id, wall s, worker CPU s, children CPU s), every worker's."""
+    for worker in sorted(folder.glob("*.json")):
+        for nodeid, wall, *_ in json.loads(worker.read_text()):
+            yield nodeid.split("::")[0], wall
+
+
+def slowest_per_file(junit: Path) -> dict[str, float]:
+    return slowest(junit_timings(junit))
 
 
 def slowest_per_file_profiled(folder: Path) -> dict[str, float]:
-    """The same from tests/cpu_profile.py's rows (node id, wall s, worker CPU s, children CPU s)."""
-    slowest: dict[str, float] = {}
-    for worker in sorted(folder.glob("*.json")):
-        for nodeid, wall, *_ in json.loads(worker.read_text()):
-            path = nodeid.split("::")[0]
-            slowest[path] = max(slowest.get(path, 0.0), round(float(wall), 1))
-    return dict(sorted(slowest.items(), key=lambda kv: -kv[1]))
+    return slowest(profile_timings(folder))
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def test_ray_processes_are_told_by_their_program_not_their_arguments(tmp_path):
     try:
         deadline = time.time() + 30
         # Until bash has exec'd its program under the new name (mid-exec the command line reads empty).
-        while any(not command_line(p.pid) or command_line(p.pid).startswith("bash") for p in procs.values()):
+        while not all((line := command_line(p.pid)) and not line.startswith("bash") for p in procs.values()):
             assert time.time() < deadline, {name: command_line(p.pid) for name, p in procs.items()}
             time.sleep(0.02)
         verdict = {name: is_ray_process(p.pid) for name, p in procs.items()}

@@ -73,23 +73,27 @@ def alive(pid: int) -> bool:
     return stat[0] not in ("Z", "X")
 
 
-def command_line(pid: int) -> str:
+def command_args(pid: int) -> list[str]:
+    """The program and arguments ``pid`` runs (Linux /proc; empty when gone, elsewhere, or mid-exec)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return ""
+        return []
+    return raw.decode(errors="replace").split("\0")[:-1] if raw else []
+
+
+def command_line(pid: int) -> str:
+    return " ".join(command_args(pid))
 
 
 def is_ray_process(pid: int) -> bool:
     """Whether ``pid`` runs Ray: a worker or actor (titled ``ray::...``), raylet, the GCS server, or one of Ray's
     Python scripts (dashboard, log monitor, autoscaler monitor). Judged by the program and script, not by any
     argument: a fork server started after ``import ray`` carries Ray's folders in its ``sys.path`` argument."""
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
+    args = command_args(pid)
+    if not args:
         return False
-    program = args[0]
-    return (program.startswith("ray::") or Path(program).name in ("raylet", "gcs_server")
+    return (args[0].startswith("ray::") or Path(args[0]).name in ("raylet", "gcs_server")
             or any(a.endswith(".py") and "/ray/" in a for a in args[1:3]))
 
 
