@@ -34,6 +34,17 @@ def test_mixing_a_device_tensor_with_a_host_tensor_raises_with_the_op_and_the_li
             torch.ones(2, 3, device=SIMULATED) @ torch.ones(3, 2)
 
 
+def test_tensors_inside_lists_and_every_output_of_an_op_are_seen():
+    assert simulated.tensors_in((1, [torch.zeros(1), (torch.ones(1),)]), {"out": torch.ones(2), "k": {}})[2].shape == (2,)
+    with SimulatedDevice() as sim:
+        on = torch.ones(2, 3, device=SIMULATED)
+        with pytest.raises(DeviceMixError, match=r"aten\.cat"):  # the host tensor is the list's second item
+            torch.cat([on, torch.ones(2, 3)])
+        values, indices = on.max(dim=1)  # a structseq of two outputs: both live on the device
+        assert sim.on_device(values) and sim.on_device(indices)
+        assert all(sim.on_device(t) for t in torch.split(on, 1))
+
+
 def test_a_zero_dim_host_tensor_is_a_scalar_and_may_mix():
     with SimulatedDevice() as sim:
         out = torch.ones(3, device=SIMULATED) * torch.tensor(2.0)
