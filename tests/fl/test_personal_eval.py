@@ -12,6 +12,7 @@ from fedguide.data.federated import FederatedData, personal_test_splits, scored_
 from fedguide.data.sources.base import DatasetSplits
 from fedguide.fl.setup import prepare
 from fedguide.registry import ConfigError
+from tests.fl.runtimes.flower.loopback import simulation_without_ray
 from tests.tiny import run_tiny, tiny_config, without_timing
 
 
@@ -132,25 +133,32 @@ SIM = {"name": "flower-sim", "threads_per_worker": 1, "workers": 1}
 PFL = {"eval": {"mode": "both"}, "clients": {"num": 4, "per_round": 2}, "train": {"rounds": 2}}
 
 
-@pytest.mark.parametrize("runtime, method", [(POOL, FEDREP)] + [
-    pytest.param(SIM, m, marks=pytest.mark.e2e) for m in (
-        FEDREP, {"name": "fedala"},
+@pytest.mark.parametrize("runtime, method, ray", [(POOL, FEDREP, False), pytest.param(SIM, FEDREP, True, marks=pytest.mark.e2e)] + [
+    # What flower-sim does for a method is its messages, the record codec and the client step on the
+    # decoded payload, all run here through an in-process Grid; Ray's start-up (~15 s a run) carries
+    # nothing method-specific, and FedRep above and test_simulation.py's SCAFFOLD cross it.
+    (SIM, m, False) for m in (
+        {"name": "fedala"},
         # BYOL's projector and predictor at the paper's 4096/2048 are ~25 M parameters of client state, which
         # makes every flower-sim round of the tiny run take tens of seconds; small heads keep the same state
         {"name": "fedema", "hidden_dim": 128, "projection_dim": 64, "probe_samples": 200})],
-    ids=["pool-fedrep", "flower-sim-fedrep", "flower-sim-fedala", "flower-sim-fedema"])
-def test_a_personalised_method_scores_alike_on_every_runtime(tmp_path, runtime, method):
-    # Their state lives in client state on disk, written by worker processes or Flower's actors and read back.
+    ids=["pool-fedrep", "flower-sim-fedrep", "flower-sim-loopback-fedala", "flower-sim-loopback-fedema"])
+def test_a_personalised_method_scores_alike_on_every_runtime(tmp_path, monkeypatch, runtime, method, ray):
+    # Their state lives in client state on disk, written by worker processes or Flower's clients and read back.
     layers = {**PFL, "method": method}
     if method["name"] == "fedema":
         layers["eval"] = {"mode": "global"}  # self-supervised: evaluated by its linear probe only
     _, ref, _ = run_tiny(tmp_path, tiny_config(layers), name="in-process")
+    grids = [] if ray or runtime is POOL else simulation_without_ray(monkeypatch)
     _, rows, run_dir = run_tiny(tmp_path, tiny_config(layers, runtime=runtime), name="other")
     assert without_timing(rows) == without_timing(ref)
     trained = {c for r in rows for c in r["clients"]}
     # FedALA initialises every client's model every round (ala_clients: all), so every client keeps state.
     kept = set(range(4)) if method["name"] == "fedala" else trained
     assert {int(p.name) for p in (run_dir / "client_state" / "committed").iterdir()} == kept
+    if runtime is SIM and not ray:  # every train message went through the grid, one per client a round
+        (grid,) = grids
+        assert sum(t == "train" for _, t in grid.delivered) == sum(len(r["clients"]) for r in rows)
 
 
 def test_test_subset_keeps_each_cells_share_and_is_the_same_for_every_seed(tmp_path):

@@ -17,7 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from fedguide.config import build_config, to_yaml
+from fedguide.config import build_config
 from fedguide.fl.setup import prepare
 from fedguide.registry import ConfigError
 from tests.tiny import run_tiny, tiny_config, tiny_raw, without_timing
@@ -29,6 +29,7 @@ from fedguide.fl.runtimes.flower.deployment import FlowerParams  # noqa: E402
 from fedguide.fl.runtimes.flower.messages import FlowerClientFailed  # noqa: E402
 from fedguide.fl.runtimes.flower.processes import alive, command_line, descendants, free_port, stop_tree  # noqa: E402
 from fedguide.fl.runtimes.flower.protocol import comparable, differences, fingerprint, run_key  # noqa: E402
+from tests.fl.runtimes.flower.loopback import LoopbackGrid, as_a_server_app  # noqa: E402
 
 DEPLOY_KEYS = {"failed_clients", "client_errors"}
 FLOWER = {"name": "flower", "workers": 1, "threads_per_worker": 1}
@@ -99,64 +100,13 @@ def test_run_and_resume_point_a_flower_config_to_serve(tmp_path, capsys):
 
 
 # ---- a deployment through an in-process Grid ----------------------------------------------------
-class LoopbackGrid:
-    """Hands every message to the ClientApp of its node in this process (what a SuperLink and the
-    SuperNodes do over the network); a node in ``silent`` never answers train messages from the
-    given round on, like a machine that died."""
-
-    def __init__(self):
-        from flwr.app import Context, RecordDict
-
-        self._context, self._records = Context, RecordDict
-        self.contexts: dict[int, object] = {}
-        self.silent: dict[int, int] = {}
-        self.pending: dict[str, object] = {}
-        self.delivered: list[tuple[int, str]] = []
-
-    def add_client(self, node_id: int, cid: int, folder: Path, cfg, num: int) -> None:
-        folder.mkdir(parents=True)
-        (folder / "config.yaml").write_text(to_yaml(cfg))
-        self.contexts[node_id] = self._context(
-            run_id=7, node_id=node_id, state=self._records(), run_config={},
-            node_config={"partition-id": cid, "num-partitions": num, "fedguide-config": str(folder / "config.yaml"),
-                         "fedguide-dir": str(folder)})
-
-    def get_node_ids(self):
-        return list(self.contexts)
-
-    def push_messages(self, messages):
-        ids = []
-        for m in messages:
-            m.metadata.__dict__["_message_id"] = m.object_id
-            self.pending[m.object_id] = m
-            ids.append(m.object_id)
-        return ids
-
-    def _answers(self, m) -> bool:
-        first = self.silent.get(m.metadata.dst_node_id)
-        return first is None or "job" not in m.content or int(m.content["job"]["round"]) < first
-
-    def pull_messages(self, ids):
-        replies = []
-        for mid in ids:
-            m = self.pending.get(mid)
-            if m is not None and self._answers(m):
-                del self.pending[mid]
-                self.delivered.append((m.metadata.dst_node_id, m.metadata.message_type))
-                replies.append(client_side.answer(m, self.contexts[m.metadata.dst_node_id])[0])
-        return replies
-
-
 @pytest.fixture
 def loopback(tmp_path, monkeypatch):
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for key, value in (("_run_id", 7), ("_node_id", 1), ("_task_id", 1)):  # what a ServerApp process sets
-        monkeypatch.setattr(TaskIdentity, key, value)
+    as_a_server_app(monkeypatch)
     monkeypatch.setattr(client_side, "_NODES", {})
 
     def make(cfg, client_cfg=None) -> LoopbackGrid:
-        grid = LoopbackGrid()
+        grid = LoopbackGrid(lambda message, context: client_side.answer(message, context)[0])
         for cid in range(cfg.clients.num):
             grid.add_client(9000 + 7 * cid, cid, tmp_path / f"client-{cid}", client_cfg or cfg, cfg.clients.num)
         return grid
