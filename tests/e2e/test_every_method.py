@@ -1,18 +1,27 @@
 """Every registered method end to end once on each runtime the suite runs every method on, at the smallest size
 that exercises its paths (8x8 digits, six clients, three rounds): in process on the CPU, where it learns; in a
 pool of two worker processes on the simulated device (the CPU under CUDA's rules: the server's aggregation and
-state on the device in this process, the clients' steps in the workers), where it computes the same numbers. Methods built on a guidance model run end to end in their own tests
-(tests/methods/) and on the simulated device in tests/methods/test_guided_simulated.py; fedavg and scaffold on
-flower-sim in tests/fl/runtimes/flower/, the personalised methods' client state there in tests/fl/; the CLI on
-real Fashion-MNIST in tests/e2e/test_cli.py."""
+state on the device in this process, the clients' steps in the workers), where it computes the same numbers;
+and on both Flower runtimes through an in-process Grid (tests/fl/runtimes/flower/loopback.py): flower-sim's
+messages, record codec and client step without Ray's processes, and a deployment with every client in a folder
+of its own, where it computes the same numbers again (or, where its settings need every client on the server,
+is refused naming the setting). Methods built on a guidance model run end to end in their own tests
+(tests/methods/) and on the simulated device in tests/methods/test_guided_simulated.py; SCAFFOLD and FedRep
+cross Ray's actors in tests/fl/runtimes/flower/ and tests/fl/, FedAvg a real SuperLink and SuperNodes in
+tests/fl/runtimes/flower/test_deployment.py; the CLI on real Fashion-MNIST in tests/e2e/test_cli.py."""
 from __future__ import annotations
 
 import json
 
 import pytest
+from safetensors.torch import load_file
 
+from fedguide.fl.runtimes.flower.server import deployed_experiment
+from fedguide.fl.setup import prepare
 from fedguide.methods import METHODS
 from fedguide.methods.compose import REGULARIZERS
+from fedguide.registry import ConfigError
+from tests.fl.runtimes.flower.loopback import deployed_clients, simulation_without_ray
 from tests.fl.test_workers import assert_identical, config, run
 from tests.tiny import GUIDED_METHODS
 
@@ -26,6 +35,9 @@ REACH_THE_METHODS_PATH = {"fedcda": {"warmup_rounds": 1},
 # device is fine; one read per step is not).
 NO_SYNC_PER_STEP = {"fedavg", "fedprox", "moon", "scaffold", "feddw", "feduv", "feddistill_plus", "fedrcl", "feddyn",
                     "fedbn", "ditto", "pfedme"}
+# Methods whose defaults need every client's data and state on the server, which a deployment refuses with the
+# setting to change.
+SERVER_HOLDS_EVERY_CLIENT = {"fedala": "write method.ala_clients: participants"}
 # Chance is 10 %; three rounds of two epochs on six digit clients reach 0.38 (FedNH) to 0.97 (centralized), on
 # the global test set or, for a personalised method, on its clients' own splits.
 LEARNS = 0.3
@@ -44,9 +56,10 @@ def required_model(name: str, regs: list[str]) -> dict:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("method", CASES)
-def test_every_method_learns_and_computes_alike_in_process_on_the_simulated_device_and_in_workers(tmp_path, method):
-    # Payloads and uploads are plain records, so a method gives the same result in worker processes; and on the
-    # simulated device it computes what the CPU computes.
+def test_every_method_learns_and_computes_alike_in_process_on_the_simulated_device_in_workers_and_on_flower(
+        tmp_path, monkeypatch, method):
+    # Payloads and uploads are plain records, so a method gives the same result in worker processes and through
+    # Flower's records, deployed or simulated; and on the simulated device it computes what the CPU computes.
     name, regs = (method.split("+")[0], [method.split("+")[1]]) if "+" in method else (method, [])
     entry = METHODS.get(name).obj
     over = dict(train={"rounds": 3, "epochs": 2, "batch_size": 32, "lr": 0.05}, regularizers=regs,
@@ -66,3 +79,20 @@ def test_every_method_learns_and_computes_alike_in_process_on_the_simulated_devi
         assert check["h2d_bytes_per_step"] == 0, check
     if name == "fedcda":
         assert "fedcda_mean_age" in rows[-1], rows[-1]  # its cross-round selection ran
+    grids = simulation_without_ray(monkeypatch)
+    flower = {**over, "runtime": {"name": "flower-sim", "workers": 1, "threads_per_worker": 1}}
+    assert_identical(cpu, run(tmp_path, "flower", config(1, section, **flower)), (method, "flower-sim"))
+    (grid,) = grids
+    assert sum(kind == "train" for _, kind in grid.delivered) == sum(len(r["clients"]) for r in rows)
+    # Deployed: each client in a folder of its own, its state there, the server holding none.
+    cfg = config(1, section, **{**over, "runtime": {"name": "flower", "workers": 1, "threads_per_worker": 1}})
+    grid = deployed_clients(monkeypatch, tmp_path / "machines", cfg)
+    deployed_run = deployed_experiment(prepare(cfg), tmp_path / "deployed", grid, log=lambda s: None)
+    if name in SERVER_HOLDS_EVERY_CLIENT:
+        with pytest.raises(ConfigError, match=SERVER_HOLDS_EVERY_CLIENT[name]):
+            deployed_run.run()
+        return
+    deployed_run.run()
+    deployed = [{k: v for k, v in json.loads(line).items() if k not in ("failed_clients", "client_errors")}
+                for line in (tmp_path / "deployed" / "metrics.jsonl").read_text().splitlines()]
+    assert_identical(cpu, (deployed, load_file(tmp_path / "deployed" / "model.safetensors")), (method, "deployed"))

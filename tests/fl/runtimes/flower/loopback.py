@@ -72,6 +72,19 @@ def as_a_server_app(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(TaskIdentity, key, value)
 
 
+def deployed_clients(monkeypatch: pytest.MonkeyPatch, folder: Path, cfg, client_cfg=None) -> LoopbackGrid:
+    """A LoopbackGrid of ``cfg``'s clients as `fedguide client` runs them (each its own folder and config,
+    ``client_cfg`` if given), answering with the deployment's ClientApp in this process."""
+    from fedguide.fl.runtimes.flower import node
+
+    as_a_server_app(monkeypatch)
+    monkeypatch.setattr(node, "_NODES", {})  # the ClientApp's per-process state, dropped afterwards
+    grid = LoopbackGrid(lambda message, context: node.answer(message, context)[0])
+    for cid in range(cfg.clients.num):
+        grid.add_client(9000 + 7 * cid, cid, folder / f"client-{cid}", client_cfg or cfg, cfg.clients.num)
+    return grid
+
+
 def simulation_without_ray(monkeypatch: pytest.MonkeyPatch) -> list:
     """Makes the flower-sim runtime's executor talk to a LoopbackGrid whose nodes answer with the
     simulation's own ClientApp functions (``client_query``, ``client_train``) in this process, instead

@@ -29,7 +29,7 @@ from fedguide.fl.runtimes.flower.deployment import FlowerParams  # noqa: E402
 from fedguide.fl.runtimes.flower.messages import FlowerClientFailed  # noqa: E402
 from fedguide.fl.runtimes.flower.processes import alive, command_line, descendants, free_port, stop_tree  # noqa: E402
 from fedguide.fl.runtimes.flower.protocol import comparable, differences, fingerprint, run_key  # noqa: E402
-from tests.fl.runtimes.flower.loopback import LoopbackGrid, as_a_server_app  # noqa: E402
+from tests.fl.runtimes.flower.loopback import LoopbackGrid, deployed_clients  # noqa: E402
 
 DEPLOY_KEYS = {"failed_clients", "client_errors"}
 FLOWER = {"name": "flower", "workers": 1, "threads_per_worker": 1}
@@ -102,14 +102,8 @@ def test_run_and_resume_point_a_flower_config_to_serve(tmp_path, capsys):
 # ---- a deployment through an in-process Grid ----------------------------------------------------
 @pytest.fixture
 def loopback(tmp_path, monkeypatch):
-    as_a_server_app(monkeypatch)
-    monkeypatch.setattr(client_side, "_NODES", {})
-
     def make(cfg, client_cfg=None) -> LoopbackGrid:
-        grid = LoopbackGrid(lambda message, context: client_side.answer(message, context)[0])
-        for cid in range(cfg.clients.num):
-            grid.add_client(9000 + 7 * cid, cid, tmp_path / f"client-{cid}", client_cfg or cfg, cfg.clients.num)
-        return grid
+        return deployed_clients(monkeypatch, tmp_path, cfg, client_cfg)
     return make
 
 
