@@ -96,3 +96,4 @@ def test_every_method_learns_and_computes_alike_in_process_on_the_simulated_devi
     deployed = [{k: v for k, v in json.loads(line).items() if k not in ("failed_clients", "client_errors")}
                 for line in (tmp_path / "deployed" / "metrics.jsonl").read_text().splitlines()]
     assert_identical(cpu, (deployed, load_file(tmp_path / "deployed" / "model.safetensors")), (method, "deployed"))
+    assert not (tmp_path / "deployed" / "client_state").exists()
