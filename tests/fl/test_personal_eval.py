@@ -133,7 +133,8 @@ SIM = {"name": "flower-sim", "threads_per_worker": 1, "workers": 1}
 PFL = {"eval": {"mode": "both"}, "clients": {"num": 4, "per_round": 2}, "train": {"rounds": 2}}
 
 
-@pytest.mark.parametrize("runtime, method, ray", [(POOL, FEDREP, False), pytest.param(SIM, FEDREP, True, marks=pytest.mark.e2e)] + [
+@pytest.mark.parametrize("runtime, method, ray", [
+    (POOL, FEDREP, False), pytest.param(SIM, FEDREP, True, marks=pytest.mark.e2e)] + [
     # What flower-sim does for a method is its messages, the record codec and the client step on the
     # decoded payload, all run here through an in-process Grid; Ray's start-up (~15 s a run) carries
     # nothing method-specific, and FedRep above and test_simulation.py's SCAFFOLD cross it.
