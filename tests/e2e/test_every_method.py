@@ -6,9 +6,9 @@ and on both Flower runtimes through an in-process Grid (tests/fl/runtimes/flower
 messages, record codec and client step without Ray's processes, and a deployment with every client in a folder
 of its own, where it computes the same numbers again (or, where its settings need every client on the server,
 is refused naming the setting). Methods built on a guidance model run end to end in their own tests
-(tests/methods/) and on the simulated device in tests/methods/test_guided_simulated.py; SCAFFOLD and FedRep
-cross Ray's actors in tests/fl/runtimes/flower/ and tests/fl/, FedAvg a real SuperLink and SuperNodes in
-tests/fl/runtimes/flower/test_deployment.py; the CLI on real Fashion-MNIST in tests/e2e/test_cli.py."""
+(tests/methods/) and on the simulated device in tests/methods/test_guided_simulated.py; SCAFFOLD and a failing
+client cross Ray's actors in tests/fl/runtimes/flower/test_simulation.py, FedAvg a real SuperLink and SuperNodes
+in tests/fl/runtimes/flower/test_deployment.py; the CLI on real Fashion-MNIST in tests/e2e/test_cli.py."""
 from __future__ import annotations
 
 import json

@@ -124,40 +124,36 @@ def test_an_early_stopped_run_scores_the_clients_in_its_last_k_rounds(tmp_path):
 
 
 # Methods of this family that keep something on their clients between rounds, one per state code (FedPer's
-# is FedRep's split federation). Every method also runs in worker processes in tests/e2e/test_every_method.py.
+# is FedRep's split federation). Every method also runs in worker processes, on flower-sim and deployed in
+# tests/e2e/test_every_method.py; SCAFFOLD's client state crosses Ray's actors in test_simulation.py.
 FEDREP = {"name": "fedrep", "head_epochs": 1}
 POOL = {"name": "local", "workers": 2, "threads_per_worker": 1}
-# One actor (runtime.workers: 1): the state still crosses into Ray and back; two actors side by side are
-# test_simulation.py's SCAFFOLD run, and each actor more is another interpreter importing torch on a loaded core.
 SIM = {"name": "flower-sim", "threads_per_worker": 1, "workers": 1}
 PFL = {"eval": {"mode": "both"}, "clients": {"num": 4, "per_round": 2}, "train": {"rounds": 2}}
 
 
-@pytest.mark.parametrize("runtime, method, ray", [
-    (POOL, FEDREP, False), pytest.param(SIM, FEDREP, True, marks=pytest.mark.e2e)] + [
-    # What flower-sim does for a method is its messages, the record codec and the client step on the
-    # decoded payload, all run here through an in-process Grid; Ray's start-up (~15 s a run) carries
-    # nothing method-specific, and FedRep above and test_simulation.py's SCAFFOLD cross it.
-    (SIM, m, False) for m in (
-        {"name": "fedala"},
-        # BYOL's projector and predictor at the paper's 4096/2048 are ~25 M parameters of client state, which
-        # makes every flower-sim round of the tiny run take tens of seconds; small heads keep the same state
-        {"name": "fedema", "hidden_dim": 128, "projection_dim": 64, "probe_samples": 200})],
-    ids=["pool-fedrep", "flower-sim-fedrep", "flower-sim-loopback-fedala", "flower-sim-loopback-fedema"])
-def test_a_personalised_method_scores_alike_on_every_runtime(tmp_path, monkeypatch, runtime, method, ray):
+# flower-sim runs through an in-process Grid (the simulation's messages, record codec and client step on the
+# decoded payload): Ray's start-up (~15 s a run) carries nothing method-specific.
+@pytest.mark.parametrize("runtime, method", [(POOL, FEDREP)] + [(SIM, m) for m in (
+    FEDREP, {"name": "fedala"},
+    # BYOL's projector and predictor at the paper's 4096/2048 are ~25 M parameters of client state, which
+    # makes every flower-sim round of the tiny run take tens of seconds; small heads keep the same state
+    {"name": "fedema", "hidden_dim": 128, "projection_dim": 64, "probe_samples": 200})],
+    ids=["pool-fedrep", "flower-sim-fedrep", "flower-sim-fedala", "flower-sim-fedema"])
+def test_a_personalised_method_scores_alike_on_every_runtime(tmp_path, monkeypatch, runtime, method):
     # Their state lives in client state on disk, written by worker processes or Flower's clients and read back.
     layers = {**PFL, "method": method}
     if method["name"] == "fedema":
         layers["eval"] = {"mode": "global"}  # self-supervised: evaluated by its linear probe only
     _, ref, _ = run_tiny(tmp_path, tiny_config(layers), name="in-process")
-    grids = [] if ray or runtime is POOL else simulation_without_ray(monkeypatch)
+    grids = [] if runtime is POOL else simulation_without_ray(monkeypatch)
     _, rows, run_dir = run_tiny(tmp_path, tiny_config(layers, runtime=runtime), name="other")
     assert without_timing(rows) == without_timing(ref)
     trained = {c for r in rows for c in r["clients"]}
     # FedALA initialises every client's model every round (ala_clients: all), so every client keeps state.
     kept = set(range(4)) if method["name"] == "fedala" else trained
     assert {int(p.name) for p in (run_dir / "client_state" / "committed").iterdir()} == kept
-    if runtime is SIM and not ray:  # every train message went through the grid, one per client a round
+    if runtime is SIM:  # every train message went through the grid, one per client a round
         (grid,) = grids
         assert sum(t == "train" for _, t in grid.delivered) == sum(len(r["clients"]) for r in rows)
 
