@@ -42,15 +42,7 @@ def profile_timings(folder: Path) -> Iterator[tuple[str, float]]:
             yield nodeid.split("::")[0], wall
 
 
-def slowest_per_file(junit: Path) -> dict[str, float]:
-    return slowest(junit_timings(junit))
-
-
-def slowest_per_file_profiled(folder: Path) -> dict[str, float]:
-    return slowest(profile_timings(folder))
-
-
 if __name__ == "__main__":
     source = Path(sys.argv[1])
-    table = slowest_per_file_profiled(source) if source.is_dir() else slowest_per_file(source)
+    table = slowest(profile_timings(source) if source.is_dir() else junit_timings(source))
     OUT.write_text(json.dumps(table, indent=1) + "\n")

@@ -22,6 +22,7 @@ from fedguide.methods import METHODS
 from fedguide.methods.compose import REGULARIZERS
 from fedguide.registry import ConfigError
 from tests.fl.runtimes.flower.loopback import deployed_clients, simulation_without_ray
+from tests.fl.runtimes.flower.test_deployment import deployed_rows, read_rows
 from tests.fl.test_workers import assert_identical, config, run
 from tests.tiny import GUIDED_METHODS
 
@@ -83,7 +84,7 @@ def test_every_method_learns_and_computes_alike_in_process_on_the_simulated_devi
     flower = {**over, "runtime": {"name": "flower-sim", "workers": 1, "threads_per_worker": 1}}
     assert_identical(cpu, run(tmp_path, "flower", config(1, section, **flower)), (method, "flower-sim"))
     (grid,) = grids
-    assert sum(kind == "train" for _, kind in grid.delivered) == sum(len(r["clients"]) for r in rows)
+    assert grid.trains() == sum(len(r["clients"]) for r in rows)
     # Deployed: each client in a folder of its own, its state there, the server holding none.
     cfg = config(1, section, **{**over, "runtime": {"name": "flower", "workers": 1, "threads_per_worker": 1}})
     grid = deployed_clients(monkeypatch, tmp_path / "machines", cfg)
@@ -93,7 +94,6 @@ def test_every_method_learns_and_computes_alike_in_process_on_the_simulated_devi
             deployed_run.run()
         return
     deployed_run.run()
-    deployed = [{k: v for k, v in json.loads(line).items() if k not in ("failed_clients", "client_errors")}
-                for line in (tmp_path / "deployed" / "metrics.jsonl").read_text().splitlines()]
-    assert_identical(cpu, (deployed, load_file(tmp_path / "deployed" / "model.safetensors")), (method, "deployed"))
+    deployed = deployed_rows(read_rows(tmp_path / "deployed"))
+    assert_identical((deployed_rows(rows), cpu[1]), (deployed, load_file(tmp_path / "deployed" / "model.safetensors")), (method, "deployed"))
     assert not (tmp_path / "deployed" / "client_state").exists()

@@ -38,6 +38,10 @@ class LoopbackGrid:
         self.add_node(node_id, {"partition-id": cid, "num-partitions": num,
                                 "fedguide-config": str(folder / "config.yaml"), "fedguide-dir": str(folder)})
 
+    def trains(self) -> int:
+        """How many train messages the nodes answered."""
+        return sum(kind == "train" for _, kind in self.delivered)
+
     def get_node_ids(self):
         return list(self.contexts)
 
