@@ -62,8 +62,9 @@ def crash_after(rounds: int):
     return log
 
 # Method parameters the every-method sweeps set: defaults that are the papers' sizes
-# but cost minutes on the sweeps' tiny data (FedEMA's BYOL heads, 4096 hidden and 2048 out, and its probe).
-SWEEP_OVERRIDES = {"fedema": {"hidden_dim": 64, "projection_dim": 32, "probe_samples": 500}}
+# but cost minutes on the sweeps' tiny data (FedEMA's BYOL heads, 4096 hidden and 2048 out, and its probe's
+# 200 epochs at every evaluation; 20 run the same code).
+SWEEP_OVERRIDES = {"fedema": {"hidden_dim": 64, "projection_dim": 32, "probe_samples": 500, "probe_epochs": 20}}
 
 # Methods built on a guidance model: their own tests run them end to end on tiny pipelines; the
 # every-method sweeps (8x8 digits has no pixels for an image model; smoke.yaml on the embedded models

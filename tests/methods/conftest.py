@@ -105,14 +105,6 @@ def feature_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("features")
 
 
-@pytest.fixture(scope="session")
-def embedded_feature_cache(tmp_path_factory):
-    """One feature cache per test process for the smoke runs on the embedded models (FedDISC's three): they embed
-    the same images with the same frozen encoder, which the first of them does for all (the cache's reuse is
-    what a user's second run gets; its extraction runs in the first, and in the tiny runs elsewhere)."""
-    return tmp_path_factory.mktemp("embedded-features")
-
-
 SEMI = {"name": "semi_supervised", "server_domain": "uci", "clients": "feature_skew"}
 
 

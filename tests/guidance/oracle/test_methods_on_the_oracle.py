@@ -77,47 +77,38 @@ def test_every_generating_method_is_refused_by_the_checks_a_dry_run_makes(tmp_pa
         check(oracle_config(fmnist_root, tmp_path / "cache", method="fedrcl"))  # no generation: it runs
 
 
-@pytest.fixture(scope="module")
-def digits_cache(tmp_path_factory):
-    """One feature cache for this module's digits_domains runs: their oracle (same data, pool and settings) is
-    trained by the first and read back, sealed, by the others, as a user's second run reads it."""
-    return tmp_path_factory.mktemp("oracle-cache")
-
-
-def test_zero_shot_on_the_oracle_is_the_pools_nearest_class_mean(tmp_path, digits_cache):
-    """A frozen-encoder method on the oracle's image encoder, on digits_domains read at another size than the
-    embedded models were pretrained at: the same draw of this run's images."""
+def test_the_frozen_encoder_methods_run_on_the_oracles_image_encoder(tmp_path):
+    """The module docstring's claim, method by method, on digits_domains read at another size than the embedded
+    models were pretrained at: each runs on the oracle's features. One test, so that the oracle (same data, pool
+    and settings) is trained once, by the first run, and read back, sealed, by the others, as a user's second
+    run reads it. Zero-shot is the pool's nearest class mean, on the same draw of this run's images."""
     from fedguide.config import build_config
     from fedguide.fl.setup import open_run
     from fedguide.guidance.oracle.pool import oracle_pool
     from tests.tiny import tiny_raw
 
-    raw = tiny_raw({"data": {"name": "digits_domains", "image_size": 16, "per_class": 20, "fraction": 0.5},
-                    "clients": {"num": 2, "per_round": 2}, "train": {"rounds": 1},
-                    "guidance": {"model": "oracle", "feature_cache": str(digits_cache)}},
-                   method={"name": "zero_shot"})
-    raw["partition"] = {"name": "semi_supervised", "server_domain": "uci", "clients": "feature_skew"}
-    cfg = build_config(raw)
-    summary, rows, _ = run_tiny(tmp_path, cfg)
+    cache = tmp_path / "oracle-cache"
+
+    def config(method: str, rounds: int):
+        raw = tiny_raw({"data": {"name": "digits_domains", "image_size": 16, "per_class": 20, "fraction": 0.5},
+                        "clients": {"num": 2, "per_round": 2}, "train": {"rounds": rounds},
+                        "guidance": {"model": "oracle", "feature_cache": str(cache)}},
+                       method={"name": method})
+        raw["partition"] = {"name": "semi_supervised", "server_domain": "uci", "clients": "feature_skew"}
+        return build_config(raw)
+
+    cfg = config("zero_shot", 1)
+    summary, rows, _ = run_tiny(tmp_path, cfg, name="zero_shot")
     assert len(rows) == 1 and summary["accuracy_curve"][0] > 0.3  # chance: 0.1
-    run = open_run(prepare(cfg), tmp_path / "b")[0]
-    assert oracle_pool(run).source == "embedded_pretraining_draw"
-
-
-@pytest.mark.parametrize("method", ["centroid_finetune", "fedavg_sm", "semifl", "rscfed"])
-def test_the_other_frozen_encoder_methods_run_on_the_oracles_image_encoder(tmp_path, method, digits_cache):
-    """The module docstring's claim, method by method: each runs a round on the oracle's features."""
-    from fedguide.config import build_config
-    from tests.tiny import tiny_raw
-
-    # FedAvg-sm's head, one epoch on prototype pseudo-labels from a random start, sits near chance after its
-    # first round on some CPUs (0.107 on an AMD EPYC host, above 0.15 on others) and learns over the next two,
-    # which cost milliseconds on the cached features: it is judged on its best of three rounds.
-    rounds = 3 if method == "fedavg_sm" else 1
-    raw = tiny_raw({"data": {"name": "digits_domains", "image_size": 16, "per_class": 20, "fraction": 0.5},
-                    "clients": {"num": 2, "per_round": 2}, "train": {"rounds": rounds},
-                    "guidance": {"model": "oracle", "feature_cache": str(digits_cache)}},
-                   method={"name": method})
-    raw["partition"] = {"name": "semi_supervised", "server_domain": "uci", "clients": "feature_skew"}
-    summary, rows, _ = run_tiny(tmp_path, build_config(raw))
-    assert len(rows) == rounds and finite(summary) and max(summary["accuracy_curve"]) > 0.15  # chance: 0.1
+    assert oracle_pool(open_run(prepare(cfg), tmp_path / "b")[0]).source == "embedded_pretraining_draw"
+    trained = sorted((cache / "oracle").rglob("*"))
+    assert trained  # the first run trained it
+    for method in ("centroid_finetune", "fedavg_sm", "semifl", "rscfed"):
+        # FedAvg-sm's head, one epoch on prototype pseudo-labels from a random start, sits near chance after its
+        # first round on some CPUs (0.107 on an AMD EPYC host, above 0.15 on others) and learns over the next
+        # two, which cost milliseconds on the cached features: it is judged on its best of three rounds.
+        rounds = 3 if method == "fedavg_sm" else 1
+        summary, rows, _ = run_tiny(tmp_path, config(method, rounds), name=method)
+        assert len(rows) == rounds and finite(summary), method
+        assert max(summary["accuracy_curve"]) > 0.15, (method, summary["accuracy_curve"])  # chance: 0.1
+    assert sorted((cache / "oracle").rglob("*")) == trained  # read back, never trained again

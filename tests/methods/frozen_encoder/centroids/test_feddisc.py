@@ -374,18 +374,31 @@ def test_one_shot_needs_every_client_in_round_one(digits_config, tmp_path):
         run_tiny(tmp_path, cfg)
 
 
-def test_smoke_config(tmp_path, embedded_feature_cache):
+def test_smoke_config_on_the_embedded_models_paper_released_and_model_head(tmp_path):
+    """configs/feddisc_smoke.yaml whole, then with FedDISC's released schedule, then with the run's own model as
+    the head (FedDifRC Table 6's row), on fewer images: embedding them with the frozen encoder was four fifths of
+    the config's time, and 3 % of the data still gives every pseudo-class its centroids and both clients their
+    domains. One test, so that the first run embeds the images and the other two read them from the feature
+    cache, as a user's second run does."""
     from fedguide.cli import main
 
-    out = tmp_path / "smoke"
-    # The config whole, on fewer images: embedding them with the frozen encoder was four fifths of its time, and
-    # 3 % of the data still gives every pseudo-class its centroids and both clients their domains.
-    assert main(["run", str(REPO / "configs/feddisc_smoke.yaml"), "--out", str(out), "--quiet",
-                 f"guidance.feature_cache={embedded_feature_cache}", "data.fraction=0.03", "eval.test_subset=0.2"]) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    # Its wall time (under a minute on two idle cores) is a benchmark figure, not asserted: a loaded
-    # machine would fail a timed test for no fault of the code.
-    assert summary["rounds"] == 1 and summary["method"] == "feddisc" and 0.0 <= summary["final_accuracy"] <= 1.0
+    def smoke(name: str, *overrides: str) -> tuple[dict, dict]:
+        out = tmp_path / name
+        assert main(["run", str(REPO / "configs/feddisc_smoke.yaml"), "--out", str(out), "--quiet",
+                     f"guidance.feature_cache={tmp_path / 'features'}", "data.fraction=0.03", "eval.test_subset=0.2",
+                     *overrides]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        # Its wall time (under a minute on two idle cores) is a benchmark figure, not asserted: a loaded
+        # machine would fail a timed test for no fault of the code.
+        assert summary["method"] == "feddisc" and 0.0 <= summary["final_accuracy"] <= 1.0, name
+        return summary, json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+
+    summary, _ = smoke("paper")
+    assert summary["rounds"] == 1
+    _, row = smoke("released", "method.schedule=released", "method.steps=2", "method.head_epochs=5")
+    assert row["privacy"]["noise_process"] == "unet_schedule" and row["privacy"]["noise_level"] == 500
+    _, row = smoke("model_head", "method.head=model", "method.model_epochs=2", "method.steps=2")
+    assert row["model_train_samples"] == row["generated_images"] > 0
 
 
 def test_a_run_stopped_mid_generation_resumes_after_its_last_finished_batch(digits_config, tmp_path, monkeypatch):
