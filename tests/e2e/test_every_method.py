@@ -96,5 +96,6 @@ def test_every_method_learns_and_computes_alike_in_process_on_the_simulated_devi
         return
     deployed_run.run()
     deployed = deployed_rows(read_rows(tmp_path / "deployed"))
-    assert_identical((deployed_rows(rows), cpu[1]), (deployed, load_file(tmp_path / "deployed" / "model.safetensors")), (method, "deployed"))
+    assert_identical((deployed_rows(rows), cpu[1]),
+                     (deployed, load_file(tmp_path / "deployed" / "model.safetensors")), (method, "deployed"))
     assert not (tmp_path / "deployed" / "client_state").exists()

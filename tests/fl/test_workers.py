@@ -24,12 +24,13 @@ from tests.tiny import SWEEP_OVERRIDES
 
 
 def config(workers, method="fedavg", **over):
+    name = method["name"] if isinstance(method, dict) else method
     raw = {
         "data": {"name": "digits"},
         "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
         "model": {"name": "mlp"},
-        # a method's name, with the sweeps' settings for it, or a whole method section
-        "method": method if isinstance(method, dict) else {"name": method, **SWEEP_OVERRIDES.get(method, {})},
+        # a method's name or a whole method section, over the sweeps' sizes for that method
+        "method": {"name": name, **SWEEP_OVERRIDES.get(name, {}), **(method if isinstance(method, dict) else {})},
         "clients": {"num": 6, "per_round": 4},
         "train": {"rounds": 3, "epochs": 1, "batch_size": 32, "lr": 0.05},
         "runtime": {"workers": workers, "threads_per_worker": 1},
