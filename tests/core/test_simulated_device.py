@@ -144,6 +144,14 @@ def test_syncs_and_copies_inside_a_step_are_counted_per_step():
         assert sim.counters.host_syncs == 3
         summary = simulated.device_check_summary(sim.counters)
         assert summary["host_syncs_per_step"] == 1.0 and summary["h2d_bytes_per_step"] == 12.0
+        # the steps' copies are traced to their line, here this test's: 12 bytes a step, twice
+        ((where, nbytes),) = summary["h2d_step_sites"].items()
+        assert "test_simulated_device.py" in where and "torch.ones(3).to(SIMULATED)" in where and nbytes == 24
+        # counters from two places (the worker pool's) add up, sites too; since() takes them back off
+        before = sim.counters.copy()
+        sim.counters.add(before)
+        assert sim.counters.step_h2d_sites == {where: 48} and sim.counters.since(before).step_h2d_sites == {where: 24}
+        assert sim.counters.since(sim.counters).step_h2d_sites == {} and sim.counters.since(before).steps == 2
 
 
 class HostBatches(FedAvg):

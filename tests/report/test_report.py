@@ -196,3 +196,8 @@ def test_report_shows_the_simulated_device_check(tmp_path):
     assert "## Device check (train.device: simulated)" in md
     assert "| sim | fedavg | 98 | 0.50 | 512 | 60 | 90000 | 0 |" in md and "| cpu | fedavg | 98" not in md
     assert "Device check" not in report([plain], tmp_path / "out2").markdown
+    assert "Where the steps' host-to-device bytes come from" not in md
+    sited = make_run(tmp_path, "sited", "fedavg", 2, summary_extra={"device_check": {
+        **check, "h2d_step_sites": {"fedguide/methods/x.py:10 in step: rows.to(device)": 512}}})
+    md = report([sited], tmp_path / "out3").markdown
+    assert "- sited: `fedguide/methods/x.py:10 in step: rows.to(device)` 512 B" in md

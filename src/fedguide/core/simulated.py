@@ -34,7 +34,7 @@ import contextlib
 import os
 import threading
 import traceback
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterator, Optional
 
 import torch
@@ -105,16 +105,24 @@ class Counters:
     steps: int = 0
     step_host_syncs: int = 0
     step_h2d_bytes: int = 0
+    # Where the steps' host-to-device bytes came from (caller_line -> bytes): a copy per step is a defect to
+    # find, and the summary names its lines.
+    step_h2d_sites: dict[str, int] = field(default_factory=dict)
 
     def copy(self) -> "Counters":
         return Counters(**asdict(self))
 
     def since(self, before: "Counters") -> "Counters":
-        return Counters(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self)})
+        out = {f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self) if f.type == "int"}
+        sites = {k: v - before.step_h2d_sites.get(k, 0) for k, v in self.step_h2d_sites.items()}
+        return Counters(**out, step_h2d_sites={k: v for k, v in sites.items() if v})
 
     def add(self, other: "Counters") -> None:
         for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+            if f.type == "int":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for k, v in other.step_h2d_sites.items():
+            self.step_h2d_sites[k] = self.step_h2d_sites.get(k, 0) + v
 
 
 def _frame_text(frame: traceback.FrameSummary) -> str:
@@ -271,6 +279,9 @@ class SimulatedDevice:
         self.counters.h2d_bytes += nbytes
         if self._in_step:
             self.counters.step_h2d_bytes += nbytes
+            sites = self.counters.step_h2d_sites
+            site = caller_line()
+            sites[site] = sites.get(site, 0) + nbytes
 
     def d2h(self, nbytes: int) -> None:
         self.counters.d2h_bytes += nbytes
@@ -474,4 +485,5 @@ def device_check_summary(counters: Counters) -> dict[str, Any]:
             "host_syncs_per_step": counters.step_host_syncs / steps,
             "h2d_bytes_per_step": counters.step_h2d_bytes / steps,
             "host_syncs": counters.host_syncs, "h2d_bytes": counters.h2d_bytes, "d2h_bytes": counters.d2h_bytes,
-            "mixes": 0}
+            "mixes": 0,
+            "h2d_step_sites": dict(sorted(counters.step_h2d_sites.items(), key=lambda kv: -kv[1])[:5])}

@@ -160,23 +160,29 @@ def train_head(model: SplitModel, ctx: ClientContext, train: Any, optimizer: Opt
     return train_local(model.head, hooks, head_ctx, train, ctx.generator, optimizer=optimizer)
 
 
-def batch_stream(indices: torch.Tensor, batch_size: int, generator: torch.Generator, min_size: int = 1
-                 ) -> Iterator[torch.Tensor]:
+def batch_stream(indices: torch.Tensor, batch_size: int, generator: torch.Generator, min_size: int = 1,
+                 keep: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                 ) -> Iterator[tuple[torch.Tensor, Optional[torch.Tensor]]]:
     """Endless batches of ``indices``: one shuffled pass after another, the last batch of a pass short, and
-    skipped when under ``min_size`` (BatchNorm cannot normalise a single sample) unless it is the whole pass."""
+    skipped when under ``min_size`` (BatchNorm cannot normalise a single sample) unless it is the whole pass.
+    Each is (host indices, the same indices where the tensors are kept): ``keep`` (``DeviceData.indices``) takes
+    a pass's order there once, so a batch copies nothing; None without it."""
     while True:
         order = indices[torch.randperm(len(indices), generator=generator)]
+        kept = keep(order) if keep is not None else None
         for start in range(0, len(order), batch_size):
             batch = order[start: start + batch_size]
             if len(batch) >= min_size or start == 0:
-                yield batch
+                yield batch, (kept[start: start + batch_size] if kept is not None else None)
 
 
-def batch_at(ctx: ClientContext, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, labels) of the client's training samples ``idx`` (host indices), where the run computes."""
+def batch_at(ctx: ClientContext, idx: torch.Tensor, kept: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) of the client's training samples ``idx`` (host indices; ``kept``: the same where the
+    tensors are kept, from ``batch_stream``), where the run computes."""
     if ctx.device_data is None:
         return ctx.data.x[idx], ctx.data.y[idx]
-    return ctx.device_data.train_batch(ctx.device_data.indices(idx))
+    return ctx.device_data.train_batch(kept if kept is not None else ctx.device_data.indices(idx))
 
 
 def mean_client_metrics(run: RunContext, model_of: Callable[[int], torch.Tensor]) -> dict[str, Any]:

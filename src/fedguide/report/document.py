@@ -118,6 +118,11 @@ def device_check_lines(runs: list[RunRecord]) -> list[str]:
         lines.append("| " + " | ".join(_cell(v) for v in (
             r.name, r.method, c.get("steps"), f"{c.get('host_syncs_per_step', 0):.2f}",
             f"{c.get('h2d_bytes_per_step', 0):.0f}", c.get("host_syncs"), c.get("h2d_bytes"), c.get("mixes"))) + " |")
+    sites = [(r, c["h2d_step_sites"]) for r, c in checked if c.get("h2d_step_sites")]
+    if sites:  # a copy inside the steps is what a GPU pays for every step: say where it comes from
+        lines += ["", "Where the steps' host-to-device bytes come from (the largest five lines of each run):", ""]
+        for r, found in sites:
+            lines += [f"- {r.name}: " + "; ".join(f"`{where}` {nbytes} B" for where, nbytes in found.items())]
     return lines + [""]
 
 

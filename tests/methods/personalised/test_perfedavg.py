@@ -48,7 +48,7 @@ def test_fit_takes_the_meta_step_with_the_run_optimiser(tmp_path):
     data = ctx.data.client(0)
     stream = batch_stream(data.indices, ctx.config.train.batch_size,
                           torch_generator(ctx.config.seed, "client", 1, 0))
-    batches = [next(stream) for _ in range(2)]
+    batches = [next(stream)[0] for _ in range(2)]
     params = list(ctx.model.parameters())
     g, _ = meta_gradient(params, lambda b: F.cross_entropy(ctx.model(data.x[b]), data.y[b]), batches, 0.05, "fo", 1e-3)
     expected = torch.cat([(p.detach() - 0.2 * gi).reshape(-1) for p, gi in zip(params, g)])
@@ -63,7 +63,7 @@ def test_personalisation_is_one_alpha_step_from_the_global_model(tmp_path):
     ctx.layout.load(ctx.model, glob)
     data = ctx.data.client(2)
     batch = next(batch_stream(data.indices, ctx.config.train.batch_size,
-                              torch_generator(ctx.config.seed, "personal", 1, 2)))
+                              torch_generator(ctx.config.seed, "personal", 1, 2)))[0]
     params = list(ctx.model.parameters())
     grads = torch.autograd.grad(F.cross_entropy(ctx.model(data.x[batch]), data.y[batch]), params)
     expected = torch.cat([(p.detach() - 0.5 * g).reshape(-1) for p, g in zip(params, grads)])
@@ -98,7 +98,7 @@ def test_fit_takes_the_released_plain_step_on_one_batch_whatever_the_runs_optimi
     stream = batch_stream(data.indices, ctx.config.train.batch_size, torch_generator(ctx.config.seed, "client", 1, 0))
     params = list(ctx.model.parameters())
     for _ in range(steps):
-        b = next(stream)
+        b, _ = next(stream)
         g, _ = meta_gradient(params, lambda b: F.cross_entropy(ctx.model(data.x[b]), data.y[b]), [b, b], 0.05, "fo",
                              1e-3)
         with torch.no_grad():
@@ -113,3 +113,21 @@ def test_feddws_preset_is_the_released_form():
     p = PerFedAvgParams(protocol="feddw", beta_step="optimizer", batches="independent")
     assert (p.variant, p.alpha, p.beta) == ("fo", 0.01, 0.001)  # config.py alpha=1e-2, beta=1e-3
     assert (p.beta_step, p.batches) == ("optimizer", "independent")  # options given explicitly win
+
+
+def test_a_stream_takes_each_pass_where_the_tensors_are_kept_once():
+    """With ``keep`` (DeviceData.indices) a pass's order is mapped once and each batch is its slice: the same
+    indices as the host batch, so a step copies nothing."""
+    calls = []
+
+    def keep(order):
+        calls.append(order.clone())
+        return order + 100
+
+    stream = batch_stream(torch.arange(5), 2, torch.Generator().manual_seed(0), keep=keep)
+    seen = [next(stream) for _ in range(6)]  # two passes of 2 + 2 + 1
+    assert len(calls) == 2
+    for host, kept in seen:
+        assert torch.equal(kept, host + 100)
+    assert [len(h) for h, _ in seen] == [2, 2, 1, 2, 2, 1]
+    assert next(batch_stream(torch.arange(5), 2, torch.Generator()))[1] is None

@@ -191,7 +191,9 @@ def extra_count(batch: int, generated: int, real: int) -> int:
 def mix(x: torch.Tensor, y: torch.Tensor, pool_x: torch.Tensor, pool_y: torch.Tensor,
         count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch joined by ``count`` rows of the generated pool drawn without replacement (torch's global
-    stream, on the host: the same draw on any device; the rows go to the pool's device without waiting)."""
+    stream, on the host: the same draw on any device; the rows go to the pool's device without waiting).
+    That copy, count * 8 bytes a step, is the one host-to-device copy left in a FedRCL-◇ step: drawing the
+    round's rows ahead would change which rows the global stream gives (benchmarks/results/device_check.md)."""
     if count == 0:
         return x, y
     rows = torch.randperm(len(pool_y))[:count].to(pool_y.device, non_blocking=True)
@@ -210,6 +212,47 @@ class JoinedSet:
         return int(self.indices.numel())
 
 
+@dataclasses.dataclass
+class JoinedBatch:
+    """One batch of a ``JoinedOrder``: positions [start, start + size) of the epoch's order, whose real rows are
+    the order's real rows [r0, r1) and generated rows its generated rows [g0, g1) (counted on the host)."""
+
+    order: "JoinedOrder"
+    start: int
+    size: int
+    r0: int
+    r1: int
+    g0: int
+    g1: int
+
+
+class JoinedOrder:
+    """An epoch's shuffled order of a ``JoinedSet``, split on the host into real and generated rows and copied
+    to the device once: a batch is a slice of it, with no copy, lookup or sync of its own."""
+
+    def __init__(self, order: torch.Tensor, offset: int, real_indices, device: torch.device):
+        generated = order >= offset
+        # generated rows before each position: a batch's share of each kind, known on the host
+        self._before = torch.cat([torch.zeros(1, dtype=torch.long), generated.long().cumsum(0)]).tolist()
+        positions = torch.arange(len(order))
+        self.real = real_indices(order[~generated])  # where the real rows are kept (DeviceData: one copy)
+        n_gen, n_real = int(generated.sum()), int((~generated).sum())
+        packed = torch.cat([order[generated] - offset, positions[~generated], positions[generated]])
+        packed = packed.to(device, non_blocking=True)  # one copy for the three
+        self.gen, self.real_at, self.gen_at = packed.split([n_gen, n_real, n_gen])
+        self.length = len(order)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, part: slice) -> JoinedBatch:
+        start, stop, step = part.indices(self.length)
+        if step != 1:
+            raise ValueError("a JoinedOrder is sliced into contiguous batches only")
+        g0, g1 = self._before[start], self._before[stop]
+        return JoinedBatch(self, start, stop - start, start - g0, stop - g1, g0, g1)
+
+
 class JoinedFeed:
     """The batches of a ``JoinedSet`` as the local loop takes them (the interface of ``DeviceData`` it uses):
     real samples from the run's device data (or the client's host tensors), generated ones from the pool,
@@ -224,34 +267,40 @@ class JoinedFeed:
             self._mean, self._std = (torch.as_tensor(v, dtype=torch.float32, device=self.device).view(-1, 1, 1)
                                      for v in pixel_stats)
 
-    def indices(self, idx: torch.Tensor) -> torch.Tensor:
-        # Kept on the host: a batch is split into real and generated rows there, without asking the device.
-        return idx
+    def indices(self, idx: torch.Tensor) -> JoinedOrder:
+        """The epoch's order (host indices of the joined set) split and copied once."""
+        real = self.base.indices if self.base is not None else (lambda i: i)
+        return JoinedOrder(idx, self.offset, real, self.device)
 
     def _real(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.base is None:  # no device data: the client's host tensors, as ctx.batch reads them
             return self.ctx.batch(idx)
-        return self.base.train_batch(self.base.indices(idx))
+        return self.base.train_batch(idx)
 
     def _generated(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = rows.to(self.device, non_blocking=True)
         x, y = self.pool_x[rows], self.pool_y[rows]
         if self.augment is not None:
             x = (self.augment(x * self._std + self._mean) - self._mean) / self._std
         return x, y
 
-    def train_batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        generated = idx >= self.offset
-        if not generated.any():
-            return self._real(idx)
-        if generated.all():
-            return self._generated(idx - self.offset)
-        at_gen, at_real = torch.nonzero(generated).flatten(), torch.nonzero(~generated).flatten()
-        gx, gy = self._generated(idx[at_gen] - self.offset)
-        rx, ry = self._real(idx[at_real])
-        x = rx.new_empty((len(idx), *rx.shape[1:]))
-        y = ry.new_empty(len(idx))
-        at_gen, at_real = at_gen.to(x.device, non_blocking=True), at_real.to(x.device, non_blocking=True)
+    def train_batch(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ``JoinedBatch`` (a slice of ``indices``'s order), a whole order, or host indices of the joined set."""
+        if isinstance(batch, torch.Tensor):
+            batch = self.indices(batch)
+        if isinstance(batch, JoinedOrder):
+            batch = batch[:]
+        order = batch.order
+        real, gen = order.real[batch.r0: batch.r1], order.gen[batch.g0: batch.g1]
+        if batch.g0 == batch.g1:
+            return self._real(real)
+        if batch.r0 == batch.r1:
+            return self._generated(gen)
+        gx, gy = self._generated(gen)
+        rx, ry = self._real(real)
+        x = rx.new_empty((batch.size, *rx.shape[1:]))
+        y = ry.new_empty(batch.size)
+        at_real = order.real_at[batch.r0: batch.r1] - batch.start
+        at_gen = order.gen_at[batch.g0: batch.g1] - batch.start
         x[at_real], x[at_gen] = rx, gx.to(rx.dtype)
         y[at_real], y[at_gen] = ry, gy.to(ry.dtype)
         return x, y

@@ -449,6 +449,8 @@ class FedDifRC(Method):
     def begin_local(self, model, ctx) -> DifRCRound:
         p = self.params
         state = DifRCRound()
+        if self.lift is not None:  # to the device before the steps, once: a step never copies it from the host
+            self.lift = self.lift.to(ctx.device)
         # The client's cached targets go to the device once per round; a step looks its batch up there.
         n = len(self.run.data.splits.train_y)
         if p.ndcr and p.lambda_ndcr > 0:

@@ -125,17 +125,20 @@ class PerFedAvg(Method):
         beta = p.beta or train.lr
         optimizer = make_optimizer(model, train.model_copy(update={"lr": beta})) if p.beta_step == "optimizer" else None
         params = [q for q in model.parameters() if q.requires_grad]
-        stream = batch_stream(ctx.data.indices, train.batch_size, ctx.generator, 2 if has_batchnorm(model) else 1)
+        keep = ctx.device_data.indices if ctx.device_data is not None else None
+        stream = batch_stream(ctx.data.indices, train.batch_size, ctx.generator, 2 if has_batchnorm(model) else 1,
+                              keep)
         model.train()
 
         def loss(batch):
-            ctx.batch_indices = batch
-            return self.local_loss(model, *batch_at(ctx, batch), ctx, None)
+            ctx.batch_indices = batch[0]
+            return self.local_loss(model, *batch_at(ctx, *batch), ctx, None)
 
         total = torch.zeros((), device=ctx.device)  # summed on the device: no host read per step
         for _ in range(steps):
+            # a new pass copies its order to the device: not a step's work
+            batches = [next(stream)] * per_step if p.batches == "same" else [next(stream) for _ in range(per_step)]
             with simulated.step():
-                batches = [next(stream)] * per_step if p.batches == "same" else [next(stream) for _ in range(per_step)]
                 meta, f_w = meta_gradient(params, loss, batches, p.alpha, p.variant, p.delta)
                 if optimizer is None:
                     with torch.no_grad():
@@ -161,10 +164,11 @@ class PerFedAvg(Method):
         ctx = ClientContext(client_id, round_, run.data.client(client_id), {}, {}, device_data=run.device_data)
         stream = batch_stream(ctx.data.indices, run.train.batch_size,
                               torch_generator(run.seed, "personal", round_, client_id),
-                              2 if has_batchnorm(model) else 1)
+                              2 if has_batchnorm(model) else 1,
+                              run.device_data.indices if run.device_data is not None else None)
         with torch.random.fork_rng(devices=[]):
             for _ in range(self.params.personal_steps):
-                x, y = batch_at(ctx, next(stream))
+                x, y = batch_at(ctx, *next(stream))
                 grads = torch.autograd.grad(self.local_loss(model, x, y, ctx, None), params)
                 with torch.no_grad():
                     for q, g in zip(params, grads):
