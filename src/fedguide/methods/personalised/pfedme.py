@@ -41,7 +41,7 @@ Defaults and decisions (the official ``main.py`` argparse defaults, L66-78, for 
 from __future__ import annotations
 
 import math
-from typing import Iterator, Literal
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedguide.core import simulated
 from fedguide.core.aggregation import sample_weighted_average
 from fedguide.core.training import has_batchnorm
-from fedguide.methods._personalise import mean_client_metrics
+from fedguide.methods._personalise import batch_at, batch_stream, mean_client_metrics
 from fedguide.methods.base import METHODS, Method
 
 
@@ -90,25 +90,6 @@ def server_mix(previous: torch.Tensor, average: torch.Tensor, beta: float) -> to
     return (1.0 - beta) * previous + beta * average
 
 
-def batches(ctx, batch_size: int, generator: torch.Generator, min_size: int
-            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Endless (inputs, labels, host indices) of the client's training batches: one shuffled pass after another,
-    the last batch of a pass short, and skipped when under ``min_size`` unless it is the whole pass. A pass's
-    order reaches the device once, not batch by batch."""
-    data, feed = ctx.data, ctx.device_data
-    while True:
-        order = data.indices[torch.randperm(len(data), generator=generator)]
-        kept = feed.indices(order) if feed is not None else order
-        for start in range(0, len(order), batch_size):
-            batch = order[start: start + batch_size]
-            if len(batch) < min_size and start > 0:
-                continue
-            if feed is None:
-                yield (*ctx.batch(batch), batch)
-            else:
-                yield (*feed.train_batch(kept[start: start + batch_size]), batch)
-
-
 @METHODS.register("pfedme", params=PFedMeParams)
 class PFedMe(Method):
     """pFedMe: clients descend the Moreau envelope of their loss; θ_i, its proximal point, is the personal model."""
@@ -120,11 +101,14 @@ class PFedMe(Method):
         steps = train.local_steps or train.epochs * max(1, math.ceil(len(ctx.data) / train.batch_size))
         theta = [q for q in model.parameters() if q.requires_grad]
         local = [q.detach().clone() for q in theta]  # w, and θ, start at the global model
-        stream = batches(ctx, train.batch_size, ctx.generator, 2 if has_batchnorm(model) else 1)
+        # one shuffled pass after another, each pass's order copied to the device once
+        stream = batch_stream(ctx.data.indices, train.batch_size, ctx.generator, 2 if has_batchnorm(model) else 1,
+                              ctx.device_data.indices if ctx.device_data is not None else None)
         model.train()
         total = torch.zeros((), device=ctx.device)  # summed where the run computes: no host read per step
         for _ in range(steps):
-            x, y, ctx.batch_indices = next(stream)  # a new pass copies its order to the device: not a step's work
+            ctx.batch_indices, kept = next(stream)  # a new pass copies its order to the device: not a step's work
+            x, y = batch_at(ctx, ctx.batch_indices, kept)
             with simulated.step():
                 for k in range(p.inner_steps):
                     loss = self.local_loss(model, x, y, ctx, None)
