@@ -10,18 +10,22 @@
 #      step against the simulated device's counts, determinism across two fresh processes, bf16 and fp16;
 #   4. benchmarks/paper_scale.py: FedAvg with ResNet-18 on a CIFAR-100 stand-in (the feddw_cifar100_practical
 #      config with method.name=fedavg), and FedDifRC's CIFAR-10 config with a random pipeline of Stable
-#      Diffusion 1.5's channel widths (fused_dim 512; the hub model is not downloadable there).
+#      Diffusion 1.5's channel widths (fused_dim 512; the hub model is not downloadable there);
+#   5. where the host has pytest: `pytest -m gpu` on tests/gpu and tests/test_paper_scale.py, less the agreement
+#      of every method (step 3 ran it): resume from a GPU checkpoint on the CPU, the worker pool and Flower's
+#      actors sharing the GPU, compiled against eager, head training on cached features.
 # Everything runs on stand-in data: the host needs no data set. A check that needs a package the host lacks
 # (scikit-learn for FedDifRC, diffusers for the guided methods) says so in its line instead of running.
 # Results in $OUT/<card> when $OUT is set, else benchmarks/results/device_check/<card> (<card>-dry-run for a
-# dry run), five files:
+# dry run), six files:
 #   summary.txt       every step's status and key numbers, every failure as a sentence naming its step;
 #   environment.txt   card, versions, commit, install log, pip check;
-#   gpu_checks.log, gpu_checks.json, paper_scale.log   the steps' own output.
+#   gpu_checks.log, gpu_checks.json, paper_scale.log, pytest_gpu.log   the steps' own output.
 # Each step has a time cap, cut to what is left of DEVICE_CHECK_SECONDS (default 450), so that the run gives
 # its signal within 8 minutes; a step stopped at its cap is reported with what it was doing. The caps are an
 # H200's measured times with room (benchmarks/results/device_check/nvidia-h200/README.md): set-up 23 s, the
-# GPU checks about 200 s, each paper_scale run about 60 s, most of it its first round's kernel selection.
+# GPU checks about 200 s, each paper_scale run about 60 s, most of it its first round's kernel selection, pytest
+# about 50 s (4 workers).
 # Exit status: 0 every check ran and passed, 1 a check failed, timed out or could not run (summary.txt says
 # which and why), 2 set-up failed, 3 no CUDA GPU on this machine.
 # A dry run without a GPU: FEDGUIDE_CHECK_DEVICE=simulated runs the checks with train.device: simulated
@@ -61,7 +65,8 @@ SLUG="$(echo "$CARD" | tr '[:upper:]' '[:lower:]' | tr -cs 'a-z0-9' '-' | sed 's
 [ "$DEVICE" = simulated ] && SLUG="${SLUG:-gpu}-dry-run"  # never mistaken for a GPU's results
 RESULTS="${OUT:-$REPO/benchmarks/results/device_check}/${SLUG:-gpu}"
 mkdir -p "$RESULTS"
-rm -f "$RESULTS"/summary.txt "$RESULTS"/environment.txt "$RESULTS"/gpu_checks.* "$RESULTS"/paper_scale.log
+rm -f "$RESULTS"/summary.txt "$RESULTS"/environment.txt "$RESULTS"/gpu_checks.* "$RESULTS"/paper_scale.log \
+  "$RESULTS"/pytest_gpu.log
 ENV_LOG="$RESULTS/environment.txt"
 SUMMARY="$RESULTS/summary.txt"
 : >"$SUMMARY"
@@ -201,6 +206,20 @@ else
   step "paper_scale FedDifRC CIFAR-10" "$PAPER_LOG" 90 "$PAPER_KEYS" \
     "$PY" benchmarks/paper_scale.py configs/paper/feddifrc_cifar10_dir0.05.yaml --rounds 2 --device "$DEVICE" \
     "${DIFRC_SIZE[@]}"
+fi
+
+# ---- 5. the pytest GPU tests (not on the dry run: they need CUDA) -----------------------------------------
+PYTEST_LOG="$RESULTS/pytest_gpu.log"
+if [ "$DEVICE" != cuda ]; then
+  note "pytest -m gpu: not run on the dry run (its tests need CUDA)"
+elif ! "$PY" -c 'import pytest' 2>/dev/null; then
+  note "pytest -m gpu: not run: this host's Python has no pytest (the checks above cover the same ground but for resume, the worker pool, Flower and torch.compile)"
+else
+  workers=()
+  "$PY" -c 'import xdist' 2>/dev/null && workers=(-n 4)
+  step "pytest -m gpu" "$PYTEST_LOG" 100 "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" \
+    "$PY" -m pytest -m gpu tests/gpu tests/test_paper_scale.py -k "not every_method_agrees" -p no:cacheprovider \
+    -q -rfEs "${workers[@]}"
 fi
 
 if [ $FAILED = 0 ]; then

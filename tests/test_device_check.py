@@ -71,6 +71,7 @@ def test_the_dry_run_starts_every_step_and_writes_its_line(tmp_path):
         assert f"  gpu checks: agreement {name}: " in summary, name
     for key in ("s_per_round=", "projected_hours=", "ratio_vs_floor="):
         assert sum(f": {key}" in line for line in lines) == 2, (key, summary)
+    assert "pytest -m gpu: not run on the dry run (its tests need CUDA)" in lines
     assert lines[-1].startswith("total: ") and lines[-1].endswith("every check passed")
     files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
     assert len(files) <= 6, files
