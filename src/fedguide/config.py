@@ -163,6 +163,10 @@ class TrainConfig(Strict):
                                                      "autoaugment (data/augment.py)")
     deterministic: bool = Field(False, description="deterministic algorithms (and cuBLAS's fixed workspace): the "
                                                    "same run twice on one GPU gives the same metrics")
+    cudnn_benchmark: bool = Field(
+        True, description="when not deterministic: cuDNN searches for the fastest convolution algorithms of each "
+                          "new input shape (one search per shape, the first round's cost: the clients' last batches "
+                          "differ in size); false skips the search. No effect without cuDNN")
 
 
     def at_round(self, round_: int) -> "TrainConfig":

@@ -90,6 +90,35 @@ def test_deterministic_is_restored_after_the_block():
     assert torch.are_deterministic_algorithms_enabled() == before
 
 
+@pytest.mark.parametrize("benchmark", [True, False])
+def test_cudnns_algorithm_search_follows_the_config_and_is_restored(benchmark, tmp_path, monkeypatch):
+    """train.cudnn_benchmark: the search per input shape in a run that is not deterministic (never in one that
+    is), in the engine's process and, for the run's life, in each client-side process (open_run(setup=True))."""
+    before = torch.backends.cudnn.benchmark
+    with deterministic(False, benchmark):
+        assert torch.backends.cudnn.benchmark is benchmark
+        with deterministic(True, benchmark):
+            assert torch.backends.cudnn.benchmark is False
+    assert torch.backends.cudnn.benchmark is before
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", not benchmark)  # restored after the test
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    cfg = tiny_config(train={"rounds": 1, "cudnn_benchmark": benchmark})
+    opened = open_run(prepare(cfg), tmp_path / "client", setup=True)
+    assert torch.backends.cudnn.benchmark is benchmark
+    del opened  # the settings are the process's, not an object's that could take them back when collected
+    import gc
+    gc.collect()
+    assert torch.backends.cudnn.benchmark is benchmark
+    # a deterministic run's client side keeps deterministic algorithms for its life
+    deterministic_before = torch.are_deterministic_algorithms_enabled()
+    try:
+        open_run(prepare(tiny_config(train={"rounds": 1, "deterministic": True})), tmp_path / "det", setup=True)
+        gc.collect()
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+    finally:
+        torch.use_deterministic_algorithms(deterministic_before)
+
+
 # ---- data on the device -------------------------------------------------------------------------
 
 def test_uint8_encoding_gives_back_the_sources_floats_bit_for_bit():

@@ -113,24 +113,26 @@ def set_cublas_workspace() -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
 
 
+def apply_algorithms(deterministic_: bool, benchmark: bool = True) -> None:
+    """Set PyTorch's algorithm choice: deterministic algorithms (and cuBLAS's fixed workspace), or, for a run
+    that is not deterministic, cuDNN's search for the fastest convolution algorithms of each new input shape
+    (``cudnn.benchmark``) unless ``benchmark`` is False (``train.cudnn_benchmark``). Without restoring: a
+    client-side process calls it once for its whole life; the engine uses ``deterministic``."""
+    if deterministic_:
+        set_cublas_workspace()
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    else:
+        torch.backends.cudnn.benchmark = benchmark
+
+
 @contextlib.contextmanager
-def deterministic(enabled: bool) -> Iterator[None]:
-    """PyTorch's deterministic algorithms (and cuBLAS's fixed workspace) while the block runs; the
-    previous settings come back after it, so one deterministic run does not change the next. A run that is
-    not deterministic lets cuDNN pick its fastest convolution algorithms (``cudnn.benchmark``) instead."""
-    if not enabled:
-        benchmark = torch.backends.cudnn.benchmark
-        torch.backends.cudnn.benchmark = True
-        try:
-            yield
-        finally:
-            torch.backends.cudnn.benchmark = benchmark
-        return
+def deterministic(enabled: bool, benchmark: bool = True) -> Iterator[None]:
+    """``apply_algorithms`` while the block runs; the previous settings come back after it, so one
+    deterministic run does not change the next."""
     before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
-              torch.backends.cudnn.deterministic, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
-    set_cublas_workspace()
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+              torch.backends.cudnn.deterministic)
+    apply_algorithms(enabled, benchmark)
     try:
         yield
     finally:

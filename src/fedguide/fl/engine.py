@@ -112,7 +112,8 @@ class Experiment:
                 self.folder.check_fresh()
             else:
                 self.folder.open_for_resume()
-            with deterministic(self.cfg.train.deterministic), device_rules(resolve_device(self.cfg.train.device)):
+            train = self.cfg.train
+            with deterministic(train.deterministic, train.cudnn_benchmark), device_rules(resolve_device(train.device)):
                 return self._run(resume)
 
     def _run(self, resume: bool) -> dict[str, Any]:

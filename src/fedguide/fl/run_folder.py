@@ -50,10 +50,10 @@ CHECKPOINTS = "checkpoints"
 State = Literal["new", "unfinished", "finished", "stopped"]
 
 # Where a run computes is not part of what it is: a run started on a GPU may resume on a CPU (the same
-# metrics up to float rounding) and the other way round.
+# metrics up to float rounding) and the other way round; nor is cuDNN's algorithm search (float rounding too).
 # Nor are the feature cache's folder, a --rebuild of it, and how the summary condenses the curve (report:).
-UNPINNED = (("train", "device"), ("data", "on_device"), ("guidance", "device"), ("guidance", "rebuild"),
-            ("guidance", "feature_cache"))
+UNPINNED = (("train", "device"), ("train", "cudnn_benchmark"), ("data", "on_device"), ("guidance", "device"),
+            ("guidance", "rebuild"), ("guidance", "feature_cache"))
 
 
 Settings = Union[Config, ResolvedConfig]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fedguide.config import SECTION_KEYS, Config, DataSection, ResolvedConfig, build_config
-from fedguide.core.device import (check_precision, computes_on_host, deterministic, device_rules, free_bytes,
+from fedguide.core.device import (apply_algorithms, check_precision, computes_on_host, device_rules, free_bytes,
                                   is_gpu_like, resolve_device)
 from fedguide.core.evaluation import Evaluator
 from fedguide.core.seeding import derive_seed, numpy_rng
@@ -267,8 +267,8 @@ def open_run(prepared: Prepared, run_dir: Path, setup: bool = False) -> tuple[Ru
         # It steps the trainable parameters; BatchNorm statistics take the aggregate (core.server_updates).
         method.server_optimizer = server_opt.entry.obj(server_opt.params, layout.parameter_mask(model).to(device))
     if setup:
-        if train.deterministic:  # a client-side process keeps the setting for its whole life
-            deterministic(True).__enter__()
+        # a client-side process keeps the settings for its whole life, as the server's engine has them for the run
+        apply_algorithms(train.deterministic, train.cudnn_benchmark)
         Hooks(method).setup()
     return ctx, method
 
