@@ -180,7 +180,7 @@ if [ "$unrun" -gt 0 ]; then
 fi
 
 # ---- 4. cost projections on stand-in data ------------------------------------------------------------------
-PAPER_KEYS="^(setup_s|s_per_round|peak_gpu_gib|projected_hours|ratio_vs_floor)=|^(guidance|device|floor): "
+PAPER_KEYS="^(setup_s|s_per_round|first_round_extra_s|peak_gpu_gib|projected_hours|ratio_vs_floor)=|^(guidance|device|floor): "
 PAPER_LOG="$RESULTS/paper_scale.log"
 if [ -n "$QUICK" ]; then  # a CPU dry run: 100 and 20 images over 2 clients, one epoch, a narrow ResNet-18;
   # FedDifRC with an MLP, TDCL only, the tiny pipeline at its 32 px (the simulated device watches every UNet

@@ -9,7 +9,7 @@ from fedguide.registry import ConfigError
 from tests import REPO
 
 SMALL = REPO / "configs/paper/feddw_mnist_practical.yaml"  # a CNN on MNIST-shaped data, 10 clients
-KEYS = ("setup_s", "s_per_round", "peak_gpu_gib", "projected_hours", "ratio_vs_floor")
+KEYS = ("setup_s", "s_per_round", "first_round_extra_s", "peak_gpu_gib", "projected_hours", "ratio_vs_floor")
 
 
 def printed(out: str) -> dict:
@@ -38,6 +38,8 @@ def test_a_paper_config_runs_on_standin_data_and_prints_its_costs(smoke):
     assert values["peak_gpu_gib"] == "n/a"  # a CPU run
     for key in ("setup_s", "s_per_round", "projected_hours", "ratio_vs_floor"):
         assert float(values[key]) > 0, (key, out)
+    walls = [float(w) for w in re.findall(r"^round \d+: wall ([\d.]+) s", out, re.MULTILINE)]
+    assert float(values["first_round_extra_s"]) == pytest.approx(walls[0] - walls[1], abs=2e-3), out
     assert "like=mnist (train 120 of 60000, test 20 of 10000), 2 of 50 rounds" in out
     assert "floor: 10 steps" in out  # 10 clients x 1 epoch x 1 batch of the timed round 2
 
@@ -46,10 +48,13 @@ def test_projection_scales_training_and_evaluation_by_the_data_drawn():
     rows = [{"train_seconds": 2.0, "eval_seconds": 1.0}, {"train_seconds": 1.0, "eval_seconds": 0.5},
             {"train_seconds": 1.0, "eval_seconds": 0.5}]
     walls = [4.0, 2.0, 2.0]  # 1 s of aggregation and checkpoint per round, 0.5 s in rounds 2 and 3
-    # Training drawn at 1/10, test at 1/2: round 1 = 4 + 2 * 9 + 1 * 1 = 23; rounds 2, 3 = 2 + 9 + 0.5 = 11.5.
-    assert paper_scale.projected_hours(rows, walls, 0.1, 0.5, 10) == pytest.approx((23 + 11.5 * 9) / 3600)
-    assert paper_scale.projected_hours(rows, walls, 0.1, 0.5, 2) == pytest.approx((23 + 11.5) / 3600)
+    # Training drawn at 1/10, test at 1/2: rounds 2, 3 = 2 + 1 * 9 + 0.5 * 1 = 11.5; round 1 = 11.5 plus its extra
+    # wall of 4 - 2 = 2 s, not scaled by the data (scaled, it would be 4 + 2 * 9 + 1 * 1 = 23).
+    assert paper_scale.projected_hours(rows, walls, 0.1, 0.5, 10) == pytest.approx((13.5 + 11.5 * 9) / 3600)
+    assert paper_scale.projected_hours(rows, walls, 0.1, 0.5, 2) == pytest.approx((13.5 + 11.5) / 3600)
     assert paper_scale.projected_hours(rows, walls, 1.0, 1.0, 3) == pytest.approx(8 / 3600)
+    # a first round faster than the later ones (noise) costs a later one
+    assert paper_scale.projected_hours(rows, [1.0, 2.0, 2.0], 1.0, 1.0, 3) == pytest.approx(6 / 3600)
 
 
 def test_hub_guidance_is_swapped_only_when_asked_and_said(tmp_path):
