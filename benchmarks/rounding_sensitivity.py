@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         ap.error(f"not registered methods: {', '.join(unknown)}")
     print("rounding sensitivity: one round on the CPU, plain vs logits x (1 + 2^-23 N(0,1)), "
           f"torch {torch.__version__}")
-    print("| method | first-round loss |d| | largest parameter |d| | share of WEIGHT_TOL |")
+    print("| method | first-round loss, abs. difference | largest parameter difference | share of WEIGHT_TOL |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="rounding-") as tmp:
         pipelines = checks.Pipelines(Path(tmp) / "pipelines")
