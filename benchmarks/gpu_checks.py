@@ -58,6 +58,7 @@ from fedguide.data.sources.standin import standin_section  # noqa: E402
 from fedguide.fl.engine import TIMING_METRICS, Experiment  # noqa: E402
 from fedguide.fl.setup import prepare  # noqa: E402
 from fedguide.methods import METHODS  # noqa: E402
+from method_defaults import requirement_overrides  # noqa: E402  (a sibling script)
 
 LOSS_TOL = dict(atol=1e-4, rtol=1e-3)
 WEIGHT_TOL = dict(atol=1e-4, rtol=1e-3)
@@ -176,8 +177,7 @@ def method_overrides(name: str, pipelines: Pipelines) -> tuple[Path, list[str]]:
     elif any(o.startswith("guidance.model=") for o in overrides) or config.name == "fedcado_smoke.yaml":
         out.append(f"guidance.model={pipelines.get('sd')}")
     # What the method requires of the network (FedBN: batch_norm) is the comparison's to set, never the name's.
-    needs = [f"model.{k}={json.dumps(v)}" for k, v in sorted(METHODS.get(name).obj.model_requirements.items())]
-    return config, out + needs + METHOD_SIZES.get(name, [])
+    return config, out + requirement_overrides(name) + METHOD_SIZES.get(name, [])
 
 
 def build(config: Path, overrides: list[str], quick: bool):

@@ -176,6 +176,14 @@ def batch_stream(indices: torch.Tensor, batch_size: int, generator: torch.Genera
                 yield batch, (kept[start: start + batch_size] if kept is not None else None)
 
 
+def client_batches(ctx: ClientContext, batch_size: int, generator: torch.Generator, min_size: int = 1
+                   ) -> Iterator[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """``batch_stream`` over the client's training indices, each pass taken where the run's tensors are kept
+    (``ctx.device_data``) once; ``batch_at(ctx, *batch)`` gathers a batch."""
+    keep = ctx.device_data.indices if ctx.device_data is not None else None
+    return batch_stream(ctx.data.indices, batch_size, generator, min_size, keep)
+
+
 def batch_at(ctx: ClientContext, idx: torch.Tensor, kept: Optional[torch.Tensor] = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, labels) of the client's training samples ``idx`` (host indices; ``kept``: the same where the

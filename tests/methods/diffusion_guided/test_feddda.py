@@ -220,3 +220,15 @@ def test_a_dataset_without_pixel_statistics_is_refused(tmp_path, tiny_sd):
                       method={"name": "feddda", **SAMPLER})
     with pytest.raises(ConfigError, match="pixel statistics"):
         run_tiny(tmp_path, cfg)
+
+
+def test_a_joined_order_is_split_from_host_indices_only():
+    """The split reads the order (counts, positions): on a device tensor that would be a sync, so it is refused."""
+    from fedguide.methods.diffusion_guided._generated_data import JoinedOrder
+
+    with pytest.raises(ValueError, match="host indices"):
+        JoinedOrder(torch.zeros(3, dtype=torch.long, device="meta"), 6, lambda i: i, torch.device("cpu"))
+    order = JoinedOrder(torch.tensor([7, 2, 6, 5]), 6, lambda i: i, torch.device("cpu"))
+    batch = order[1:3]  # rows 2 (real) and 6 (generated 0)
+    assert (batch.r0, batch.r1, batch.g0, batch.g1) == (0, 1, 1, 2)
+    assert order.real[batch.r0: batch.r1].tolist() == [2] and order.gen[batch.g0: batch.g1].tolist() == [0]

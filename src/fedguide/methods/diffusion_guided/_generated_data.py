@@ -231,19 +231,20 @@ class JoinedOrder:
     to the device once: a batch is a slice of it, with no copy, lookup or sync of its own."""
 
     def __init__(self, order: torch.Tensor, offset: int, real_indices, device: torch.device):
+        # Host work once an epoch, before its first step (the local loop's feed.indices): ``order`` is the
+        # epoch's host indices, so the reads below touch no device.
+        if order.device.type != "cpu":
+            raise ValueError("a JoinedOrder splits the epoch's host indices; got a tensor on " + str(order.device))
         generated = order >= offset
         # generated rows before each position: a batch's share of each kind, known on the host
         self._before = torch.cat([torch.zeros(1, dtype=torch.long), generated.long().cumsum(0)]).tolist()
-        positions = torch.arange(len(order))
+        self.length = len(order)
+        n_gen = self._before[-1]
+        positions = torch.arange(self.length)
         self.real = real_indices(order[~generated])  # where the real rows are kept (DeviceData: one copy)
-        n_gen, n_real = int(generated.sum()), int((~generated).sum())
         packed = torch.cat([order[generated] - offset, positions[~generated], positions[generated]])
         packed = packed.to(device, non_blocking=True)  # one copy for the three
-        self.gen, self.real_at, self.gen_at = packed.split([n_gen, n_real, n_gen])
-        self.length = len(order)
-
-    def __len__(self) -> int:
-        return self.length
+        self.gen, self.real_at, self.gen_at = packed.split([n_gen, self.length - n_gen, n_gen])
 
     def __getitem__(self, part: slice) -> JoinedBatch:
         start, stop, step = part.indices(self.length)

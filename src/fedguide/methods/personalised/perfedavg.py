@@ -51,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fedguide.core import simulated
 from fedguide.core.seeding import torch_generator
 from fedguide.core.training import has_batchnorm, make_optimizer
-from fedguide.methods._personalise import batch_at, batch_stream
+from fedguide.methods._personalise import batch_at, client_batches
 from fedguide.methods.base import METHODS, ClientContext, Method
 from fedguide.methods.personalised._protocol import Protocol, apply_protocol, protocol_field
 
@@ -125,9 +125,7 @@ class PerFedAvg(Method):
         beta = p.beta or train.lr
         optimizer = make_optimizer(model, train.model_copy(update={"lr": beta})) if p.beta_step == "optimizer" else None
         params = [q for q in model.parameters() if q.requires_grad]
-        keep = ctx.device_data.indices if ctx.device_data is not None else None
-        stream = batch_stream(ctx.data.indices, train.batch_size, ctx.generator, 2 if has_batchnorm(model) else 1,
-                              keep)
+        stream = client_batches(ctx, train.batch_size, ctx.generator, 2 if has_batchnorm(model) else 1)
         model.train()
 
         def loss(batch):
@@ -162,10 +160,8 @@ class PerFedAvg(Method):
         model.train()
         params = [q for q in model.parameters() if q.requires_grad]
         ctx = ClientContext(client_id, round_, run.data.client(client_id), {}, {}, device_data=run.device_data)
-        stream = batch_stream(ctx.data.indices, run.train.batch_size,
-                              torch_generator(run.seed, "personal", round_, client_id),
-                              2 if has_batchnorm(model) else 1,
-                              run.device_data.indices if run.device_data is not None else None)
+        stream = client_batches(ctx, run.train.batch_size, torch_generator(run.seed, "personal", round_, client_id),
+                                2 if has_batchnorm(model) else 1)
         with torch.random.fork_rng(devices=[]):
             for _ in range(self.params.personal_steps):
                 x, y = batch_at(ctx, *next(stream))

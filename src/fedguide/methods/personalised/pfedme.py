@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedguide.core import simulated
 from fedguide.core.aggregation import sample_weighted_average
 from fedguide.core.training import has_batchnorm
-from fedguide.methods._personalise import batch_at, batch_stream, mean_client_metrics
+from fedguide.methods._personalise import batch_at, client_batches, mean_client_metrics
 from fedguide.methods.base import METHODS, Method
 
 
@@ -102,8 +102,7 @@ class PFedMe(Method):
         theta = [q for q in model.parameters() if q.requires_grad]
         local = [q.detach().clone() for q in theta]  # w, and θ, start at the global model
         # one shuffled pass after another, each pass's order copied to the device once
-        stream = batch_stream(ctx.data.indices, train.batch_size, ctx.generator, 2 if has_batchnorm(model) else 1,
-                              ctx.device_data.indices if ctx.device_data is not None else None)
+        stream = client_batches(ctx, train.batch_size, ctx.generator, 2 if has_batchnorm(model) else 1)
         model.train()
         total = torch.zeros((), device=ctx.device)  # summed where the run computes: no host read per step
         for _ in range(steps):
