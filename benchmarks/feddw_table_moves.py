@@ -1,6 +1,7 @@
-"""Where FedDW's Table I rows moved when the pFL rows took FedDW's released protocol: the "Table I's shape" table of
-the suite before the preset (benchmarks/results/feddw_table/tables.md) beside the same table of the suite re-run
-with it (``feddw_table_suite.py --only ... --results benchmarks/results/feddw_table_protocol``), cell by cell.
+"""Where FedDW's Table I rows moved when the pFL rows took FedDW's released protocol (and FedDistill+ the authors'
+released form): the "Table I's shape" table of the suite before (benchmarks/results/feddw_table/tables.md) beside
+the same table of the suite re-run with them (``feddw_table_suite.py --only ... --results
+benchmarks/results/feddw_table_protocol``), cell by cell.
 
     .venv/bin/python benchmarks/feddw_table_moves.py [--before DIR] [--after DIR]
 
@@ -57,6 +58,10 @@ def moves(before: Path, after: Path) -> str:
            "last-k accuracy % before → after (change in points); the mean over the seeds each side has (3 unless "
            "noted). The runs before are not kept: the change is between means over the same seeds and partitions, "
            "not a paired interval.", "",
+           "Two things changed between the sides besides the rows' own algorithms: before, only FedDW and the +DW "
+           "rows had a bias-free classification layer (the others a bias there), after every row has one; and the "
+           "FedDistill+ rows ran PFLlib's form before and the FedDW authors' released form after. FedAvg's row, "
+           "whose algorithm did not change, shows how far that and the seeds' spread alone move a cell.", "",
            "| method | " + " | ".join(cols_a) + " |", "|---|" + "---:|" * len(cols_a)]
     for method, cells in rows_a.items():
         if method not in rows_b or all(c is None for c in cells):
