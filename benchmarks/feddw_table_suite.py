@@ -54,6 +54,7 @@ REFERENCE = "fedavg"
 ORDER = ("fedavg", "feddw", "fedbabu", "feduv", "fedrep", "fedper", "fedala", "perfedavg", "feddistill_plus",
          "fedprox", "moon", "moon+dw", "feduv+dw", "feddistill_plus+dw", "fedprox+dw", "fedproto", "local")
 DW = "+dw"
+LAST_LOCAL = "readings.last_local"  # the per-round metric of method.last_local_eval
 PAPER_NAMES = {"fedavg": "FedAvg", "feddw": "FedDW", "fedbabu": "FedBABU", "feduv": "FedUV", "fedrep": "FedRep",
                "fedper": "FedPer", "fedala": "FedALA", "perfedavg": "Per-FedAvg", "feddistill_plus": "FedDistill+",
                "fedprox": "FedProx", "moon": "MOON", "fedproto": "FedProto", "local": "Local"}
@@ -173,14 +174,15 @@ def _stat(recs: list[RunRecord], metric: str, key: str = "accuracy") -> str:
     return mean_std([v for r in recs if (v := measure(r, metric, k, key)) is not None], len(SEEDS))
 
 
-def _paired(mine: list[RunRecord], theirs: list[RunRecord], key: str) -> str:
-    """mean Δ (pp) of the last-k ``key`` over the seeds both have, its bootstrap interval, and each seed's Δ."""
+def _paired(mine: list[RunRecord], theirs: list[RunRecord], key: str, their_key: Optional[str] = None) -> str:
+    """mean Δ (pp) of the last-k ``key`` over the seeds both have (against ``their_key`` of the others, ``key``
+    unless given), its bootstrap interval, and each seed's Δ."""
     ref = {r.seed: r for r in theirs}
     pairs = [(r, ref[r.seed]) for r in mine if r.seed in ref]
     if not pairs:
         return "—"
     k = common_k([r for p in pairs for r in p])
-    diffs = [measure(a, "last_k", k, key) - measure(b, "last_k", k, key) for a, b in pairs]
+    diffs = [measure(a, "last_k", k, key) - measure(b, "last_k", k, their_key or key) for a, b in pairs]
     ci = bootstrap_interval(diffs)
     interval = f" [{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}]" if ci else ""
     per_seed = ", ".join(f"{100 * d:+.2f}" for d in diffs)
@@ -253,7 +255,8 @@ def tables(runs: list[Planned], settings: list[str], missing: list[str]) -> str:
         lines.append(f"| {display(label)} | " + " | ".join(cells) + " |")
     if not any(label != REFERENCE for label in labels):
         lines.append("| (no other method finished yet) |" + " |" * (2 * len(settings)))
-    lines += ["", pair_note, "", "## Table IV: what DW adds (X+DW − X)", "",
+    lines += ["", pair_note, *_last_local_section(recs, labels, settings),
+              "", "## Table IV: what DW adds (X+DW − X)", "",
               "| pair | " + " | ".join(f"{s} Δ global | {s} Δ personal" for s in settings) + " |",
               "|---|" + "---:|---:|" * len(settings)]
     # FedDW itself is FedAvg+DW: Table IV sets it beside FedAvg.
@@ -266,6 +269,32 @@ def tables(runs: list[Planned], settings: list[str], missing: list[str]) -> str:
         lines.append(f"| {display(with_dw)} − {display(base)} | " + " | ".join(cells) + " |")
     lines += ["", pair_note, ""]
     return "\n".join(lines)
+
+
+def _last_local_section(recs: dict[tuple[str, str], list[RunRecord]], labels: list[str],
+                        settings: list[str]) -> list[str]:
+    """FedDW's own global reading of its split-model rows beside the averaged-body one, for the rows whose runs
+    recorded it (``method.last_local_eval``, set by ``protocol: feddw``); no lines when none did."""
+    readers = [label for label in labels
+               if any(r.series(LAST_LOCAL)[1] for s in settings for r in recs.get((s, label), []))]
+    if not readers:
+        return []
+    lines = ["", "## FedRep and FedPer as FedDW's code scores them (`inference_by_pFL`)", "",
+             "*averaged body*: the global accuracy of the tables above, the mean over the clients of the averaged "
+             "body with each client's own head. *last local*: each client's model as its last local training left "
+             "it (its own body and head; `readings.last_local`, FedDW's `inference_by_pFL`, which its Table I "
+             "reports), mean over the clients on the global test set. Last-k %, mean ± std over seeds; Δ: *last "
+             "local* minus FedAvg's global accuracy, paired by seed.", "",
+             "| method | " + " | ".join(f"{s} averaged body | {s} last local | {s} Δ last local vs FedAvg"
+                                      for s in settings) + " |",
+             "|---|" + "---:|---:|---:|" * len(settings)]
+    for label in readers:
+        cells = []
+        for s in settings:
+            r, ref = recs.get((s, label), []), recs.get((s, REFERENCE), [])
+            cells += [_stat(r, "last_k"), _stat(r, "last_k", LAST_LOCAL), _paired(r, ref, LAST_LOCAL, "accuracy")]
+        lines.append(f"| {display(label)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def status(runs: list[Planned], failed: list[Planned], missing: list[str]) -> str:

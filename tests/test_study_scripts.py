@@ -63,6 +63,31 @@ def test_moves_set_each_cell_beside_its_earlier_value_with_the_seeds_each_side_h
     assert "every statistic" not in text  # only Table I's section is read
 
 
+def test_feddw_tables_set_the_last_local_reading_beside_the_averaged_body_paired_against_fedavg(tmp_path):
+    """FedDW's Table I scores FedRep and FedPer on each client's model as its last local training left it
+    (``utils.py`` ``inference_by_pFL``); the tables show that reading beside the averaged-body one, and only for
+    the rows whose runs recorded it."""
+    import feddw_table_suite as suite
+    from fedguide.report.runs import RunRecord
+
+    def record(seed, accuracy, last_local=None):
+        rows = [{"round": i + 1, "accuracy": a, **({"readings": {"last_local": b}} if last_local else {})}
+                for i, (a, b) in enumerate(zip(accuracy, last_local or accuracy))]
+        return RunRecord(tmp_path, {"seed": seed}, {"seed": seed, "last_k": 2}, rows)
+
+    recs = {("practical", "fedavg"): [record(0, [0.5, 0.80, 0.84]), record(1, [0.5, 0.82, 0.86])],
+            ("practical", "fedrep"): [record(0, [0.4, 0.70, 0.72], [0.3, 0.60, 0.64]),
+                                      record(1, [0.4, 0.74, 0.76], [0.3, 0.66, 0.70])]}
+    lines = suite._last_local_section(recs, ["fedavg", "fedrep"], ["practical"])
+    rows = [line for line in lines if line.startswith("| FedRep")]
+    # averaged body: (0.71 + 0.75) / 2; last local: (0.62 + 0.68) / 2; Δ per seed 0.62 - 0.82, 0.68 - 0.84
+    assert rows == ["| FedRep | 73.00 ± 2.83 (2 seeds) | 65.00 ± 4.24 (2 seeds) "
+                    "| -18.00 [-20.00, -16.00] (-20.00, -16.00) |"]
+    assert not any(line.startswith("| FedAvg") for line in lines)  # FedAvg records no last-local reading
+    assert suite._last_local_section({k: v for k, v in recs.items() if k[1] == "fedavg"}, ["fedavg"],
+                                     ["practical"]) == []
+
+
 def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_request(tmp_path, monkeypatch, capsys):
     """runs/ is not in the repository: a suite run over several sittings restores what it finished from
     benchmarks/results/records, and never a record of other settings."""
