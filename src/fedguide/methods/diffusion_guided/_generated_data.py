@@ -190,13 +190,13 @@ def extra_count(batch: int, generated: int, real: int) -> int:
 
 def mix(x: torch.Tensor, y: torch.Tensor, pool_x: torch.Tensor, pool_y: torch.Tensor,
         count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch joined by ``count`` rows of the generated pool drawn without replacement (torch's global
-    stream, on the host: the same draw on any device; the rows go to the pool's device without waiting).
-    That copy, count * 8 bytes a step, is the one host-to-device copy left in a FedRCL-◇ step: drawing the
-    round's rows ahead would change which rows the global stream gives (benchmarks/results/device_check.md)."""
+    """The batch joined by ``count`` rows of the generated pool drawn without replacement by the pool device's
+    default generator: no host copy inside the step. On the CPU (and the simulated device, a CPU device) that is
+    torch's global stream, so a CPU run draws what it drew when the rows were drawn on the host; on a GPU it is
+    the GPU's stream, whose draws differ from the CPU's (as FedEMA's device draws do)."""
     if count == 0:
         return x, y
-    rows = torch.randperm(len(pool_y))[:count].to(pool_y.device, non_blocking=True)
+    rows = torch.randperm(len(pool_y), device=pool_y.device)[:count]
     return torch.cat([x, pool_x[rows].to(x.device, x.dtype)]), torch.cat([y, pool_y[rows].to(y.device)])
 
 
