@@ -74,6 +74,22 @@ def test_a_method_run_on_another_network_is_named_unpaired_with_the_model_key(tm
     assert c.settings == ["model.mapping=[128,128]"]
 
 
+def test_how_a_run_picked_its_convolutions_neither_splits_rows_nor_unpairs(tmp_path):
+    """train.cudnn_benchmark, which only a GPU reads, changes floats by rounding as train.device does: a run
+    recorded before the key existed and one with it share a row and pair."""
+    from fedguide.report.runs import load_runs
+    from fedguide.report.tables import group_runs
+
+    a = make_run(tmp_path, "avg", "fedavg", 0, curve=curve((0.0, 0.0)))
+    b = make_run(tmp_path, "prox", "fedprox", 0, curve=curve((0.1, 0.1)))
+    c = with_config(make_run(tmp_path, "prox1", "fedprox", 1, curve=curve((0.2, 0.2))), train__cudnn_benchmark=True)
+    d = with_config(make_run(tmp_path, "avg1", "fedavg", 1, curve=curve((0.0, 0.0))), train__cudnn_benchmark=False)
+    [comparison] = paired_comparisons([a, b, c, d], "fedavg")
+    assert comparison.seeds == [0, 1] and comparison.unpaired == []
+    groups = group_runs(load_runs([a, b, c, d]))
+    assert sorted((g.label, len(g.runs)) for g in groups) == [("fedavg", 2), ("fedprox", 2)]
+
+
 def test_runs_of_different_lengths_never_pair(tmp_path):
     """A folder whose config.yaml still says 5 rounds while it ran 6 (written before config.yaml followed a
     raised train.rounds) does not pair with a 5-round run: their difference would measure the extra round."""

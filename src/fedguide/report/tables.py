@@ -126,12 +126,14 @@ def _sort_key(g: Group) -> tuple:
 
 # Config keys that say where or how a run was made, not what it computes: never a reason to split a row.
 # ``report`` only condenses the curve (summary.json's accuracy_last_k, rounds_to_accuracy): training never reads it.
-# Where a run computed (train.device, data.on_device) changes its floats only by rounding, as the threads do.
+# Where a run computed (train.device, data.on_device) and how its convolutions were picked (train.cudnn_benchmark,
+# which a GPU alone reads) change its floats only by rounding, as the threads do.
 # ``eval.personal_every`` says how often the clients are scored besides the last k rounds: the personal last-k
 # statistics, the training and the global scores are those of scoring every round. ``method_options`` has
 # already given the method section what it holds for the run's method; the other methods' options ran nowhere.
 NOT_SETTINGS = ("seed", "meta", "data.root", "guidance.rebuild", "guidance.feature_cache", "guidance.device",
-                "report", "logging", "train.device", "data.on_device", "eval.personal_every", "method_options")
+                "report", "logging", "train.device", "train.cudnn_benchmark", "data.on_device", "eval.personal_every",
+                "method_options")
 # Keys every row already shows in a column of its own (method parameters are in the method label).
 SHOWN = ("method", "data.name", "partition", "clients.num", "train.rounds")
 
