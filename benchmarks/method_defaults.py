@@ -29,8 +29,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _runs import FROM_DEFAULTS, REPO, ensure_run, summary  # noqa: E402
 
+from fedguide.core.atomic import write_text  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results" / "method_defaults"
 CONFIGS = [REPO / "configs/demo.yaml", REPO / "configs/fmnist_dir0.1.yaml"]
+# Methods whose setup generates images with the guidance model (minutes to hours on a CPU): they run last.
+GENERATING = ("fedcado", "sd_gen", "feddda", "feddisc")
 # Two-sided 95 % t quantiles by degrees of freedom (n - 1 paired seeds).
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
@@ -73,11 +77,15 @@ def reference_label(name: str) -> str:
 
 
 def plan(config: Path, names: list[str], seeds: list[int], out: Path) -> list[tuple[Path, list[str]]]:
+    """The runs in the order they go: method by method, every seed of one before the next (each with its FedAvg
+    reference of that seed first), the methods that generate images last, so that a suite stopped part way
+    leaves whole rows of the table and the hours of image generation wait for everything else."""
     runs, seen = [], set()
-    for seed in seeds:
-        for name in ["fedavg", *names]:
-            for label, overrides in ((name, [f"method.name={name}", *requirement_overrides(name)]),
-                                     (reference_label(name), ["method.name=fedavg", *requirement_overrides(name)])):
+    order = sorted(["fedavg", *names], key=lambda name: name in GENERATING)
+    for name in order:
+        for seed in seeds:
+            for label, overrides in ((reference_label(name), ["method.name=fedavg", *requirement_overrides(name)]),
+                                     (name, [f"method.name={name}", *requirement_overrides(name)])):
                 folder = run_dir(out, config, label, seed)
                 if folder not in seen:
                     seen.add(folder)
@@ -119,13 +127,6 @@ def table(config: Path, names: list[str], left: list[str], seeds: list[int], out
     return "\n".join(lines) + "\n"
 
 
-def write(path: Path, text: str) -> None:
-    """Whole or not at all: a suite stopped mid-write leaves the previous table."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="+", type=Path, default=CONFIGS)
@@ -150,8 +151,8 @@ def main() -> None:
                     print(f"[{i}/{len(runs)}] {folder.name}: FAILED (exit {err.returncode}); the next invocation "
                           "tries it again", flush=True)
                     continue
-                write(RESULTS / f"{config.stem}.md", table(config, names, left, args.seeds, args.out))
-        write(RESULTS / f"{config.stem}.md", table(config, names, left, args.seeds, args.out))
+                write_text(RESULTS / f"{config.stem}.md", table(config, names, left, args.seeds, args.out))
+        write_text(RESULTS / f"{config.stem}.md", table(config, names, left, args.seeds, args.out))
         print((RESULTS / f"{config.stem}.md").read_text())
 
 

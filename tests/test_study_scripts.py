@@ -154,3 +154,16 @@ def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_reque
     shutil.rmtree(tmp_path / "runs")
     (record / "summary.json").unlink()
     assert not _runs.restore_run(out, asked) and not out.exists()
+
+
+def test_method_defaults_runs_whole_rows_first_and_the_image_generating_methods_last(tmp_path):
+    """Method by method, every seed of one before the next, each beside its FedAvg on the same network: a suite
+    stopped part way leaves whole rows; FedCADO's hours of generation wait for the rest."""
+    import method_defaults
+
+    runs = method_defaults.plan(tmp_path / "demo.yaml", ["fedcado", "feddw", "fedprox"], [0, 1], tmp_path)
+    assert [folder.name for folder, _ in runs] == [
+        "fedavg-s0", "fedavg-s1", "fedavg[head_bias=false]-s0", "feddw-s0", "fedavg[head_bias=false]-s1", "feddw-s1",
+        "fedprox-s0", "fedprox-s1", "fedcado-s0", "fedcado-s1"]
+    overrides = dict(runs)[tmp_path / "demo" / "feddw-s1"]
+    assert "method.name=feddw" in overrides and "model.head_bias=false" in overrides and overrides[-1] == "seed=1"
