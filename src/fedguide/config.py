@@ -517,6 +517,13 @@ def load_config(path: Path | str, overrides: list[str] | None = None) -> Config:
     return build_config(apply_overrides(load_raw(path), overrides or []))
 
 
+# Keys that say where or how a run computes, not what: the device, cuDNN's algorithm search (both change floats only
+# by rounding, as the thread count does), the feature cache's folder and a --rebuild of it. A resume may change
+# them (fl/run_folder.py) and runs that differ in them share a report row and pair (report/tables.py).
+PLACEMENT_KEYS = ("train.device", "train.cudnn_benchmark", "data.on_device", "guidance.device", "guidance.rebuild",
+                  "guidance.feature_cache")
+
+
 def flat_keys(d: Any, prefix: str = "") -> dict[str, Any]:
     """A nested mapping as dotted keys: {"train": {"lr": 0.1}} -> {"train.lr": 0.1}."""
     if not isinstance(d, dict):

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 import yaml
 
 import fedguide
-from fedguide.config import (NAMED_SECTIONS, Config, ResolvedConfig, build_config, config_differences, flat_keys,
-                             to_yaml)
+from fedguide.config import (NAMED_SECTIONS, PLACEMENT_KEYS, Config, ResolvedConfig, build_config, config_differences,
+                             flat_keys, to_yaml)
 from fedguide.core.atomic import remove_stale_temporaries, write_json, write_jsonl, write_text
 from fedguide.fl.run_lock import RunLock
 from fedguide.registry import ConfigError
@@ -50,10 +50,9 @@ CHECKPOINTS = "checkpoints"
 State = Literal["new", "unfinished", "finished", "stopped"]
 
 # Where a run computes is not part of what it is: a run started on a GPU may resume on a CPU (the same
-# metrics up to float rounding) and the other way round; nor is cuDNN's algorithm search (float rounding too).
-# Nor are the feature cache's folder, a --rebuild of it, and how the summary condenses the curve (report:).
-UNPINNED = (("train", "device"), ("train", "cudnn_benchmark"), ("data", "on_device"), ("guidance", "device"),
-            ("guidance", "rebuild"), ("guidance", "feature_cache"))
+# metrics up to float rounding) and the other way round (config.PLACEMENT_KEYS); nor is how the summary condenses
+# the curve (report:).
+UNPINNED = tuple(tuple(key.split(".")) for key in PLACEMENT_KEYS)
 
 
 Settings = Union[Config, ResolvedConfig]

@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from fedguide.config import flat_keys
+from fedguide.config import PLACEMENT_KEYS, flat_keys
 from fedguide.report.formats import Num, Stat, Table, render
 from fedguide.report.measures import common_k, values
 from fedguide.report.runs import RunRecord, _fmt_value, Runs, load_runs
@@ -126,14 +126,13 @@ def _sort_key(g: Group) -> tuple:
 
 # Config keys that say where or how a run was made, not what it computes: never a reason to split a row.
 # ``report`` only condenses the curve (summary.json's accuracy_last_k, rounds_to_accuracy): training never reads it.
-# Where a run computed (train.device, data.on_device) and how its convolutions were picked (train.cudnn_benchmark,
-# which a GPU alone reads) change its floats only by rounding, as the threads do.
+# Where and how a run computed (config.PLACEMENT_KEYS, the keys a resume may change) changes its floats only by
+# rounding, as the threads do.
 # ``eval.personal_every`` says how often the clients are scored besides the last k rounds: the personal last-k
 # statistics, the training and the global scores are those of scoring every round. ``method_options`` has
 # already given the method section what it holds for the run's method; the other methods' options ran nowhere.
-NOT_SETTINGS = ("seed", "meta", "data.root", "guidance.rebuild", "guidance.feature_cache", "guidance.device",
-                "report", "logging", "train.device", "train.cudnn_benchmark", "data.on_device", "eval.personal_every",
-                "method_options")
+NOT_SETTINGS = ("seed", "meta", "data.root", "report", "logging", "eval.personal_every", "method_options",
+                *PLACEMENT_KEYS)
 # Keys every row already shows in a column of its own (method parameters are in the method label).
 SHOWN = ("method", "data.name", "partition", "clients.num", "train.rounds")
 
