@@ -301,7 +301,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f"{getattr(train_cfg, 'augment', 'none')}, {m['summary']['workers']} worker(s) x "
                 f"{m['summary']['threads_per_worker']} thread(s)")
             for r, w in zip(rows, walls):
-                say(f"round {r['round']}: wall {w:.2f} s (train {r['train_seconds']:.2f}, aggregate "
+                say(f"round {r['round']}: wall {w:.3f} s (train {r['train_seconds']:.2f}, aggregate "
                     f"{r['aggregate_seconds']:.2f}, eval {r['eval_seconds']:.2f}), accuracy {r['accuracy']:.4f}")
             if standard_loop(prepared.method_cls):
                 floor = Floor(prepared, device, precision, channels_last, seed=prepared.config.seed)
