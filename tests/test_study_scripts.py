@@ -92,6 +92,7 @@ def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_reque
     """runs/ is not in the repository: a suite run over several sittings restores what it finished from
     benchmarks/results/records, and never a record of other settings."""
     import gzip
+    import hashlib
     import json
 
     import _runs
@@ -121,8 +122,7 @@ def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_reque
                                                        "request.json", "summary.json"]
     assert gzip.decompress((record / "partition.json.gz").read_bytes()) == (out / "partition.json").read_bytes()
     assert json.loads((record / "request.json").read_text()) == {
-        "config": "c.yaml", "config_sha256": json.loads((record / "request.json").read_text())["config_sha256"],
-        "overrides": ["seed=0"]}
+        "config": "c.yaml", "config_content_sha256": _runs.config_content_sha256(config), "overrides": ["seed=0"]}
 
     # a fresh clone: no runs/; the same request restores the run without running it
     kept = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
@@ -130,7 +130,31 @@ def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_reque
     _runs.ensure_run(config, out, ["seed=0"], execute=False)
     assert calls == ["run"] and {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == kept
 
-    # other overrides, or an edited config file: not that run; made anew, and its record replaced
+    # a comment or the layout of the config file is not another request: still restored
+    config.write_text("# a comment\nseed:   0   # the same value\n")
+    shutil.rmtree(tmp_path / "runs")
+    _runs.ensure_run(config, out, ["seed=0"], execute=False)
+    assert (out / "summary.json").is_file() and calls == ["run"]
+
+    # a record from before requests hashed the content (the bytes' hash) answers the file it ran, byte for byte
+    legacy = {"config": "c.yaml", "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
+              "overrides": ["seed=0"]}
+    (record / "request.json").write_text(json.dumps(legacy))
+    shutil.rmtree(tmp_path / "runs")
+    _runs.ensure_run(config, out, ["seed=0"], execute=False)
+    assert (out / "summary.json").is_file() and calls == ["run"]
+    # ... and, passed by its suite with the run on disk, is rewritten with the content hash
+    _runs.ensure_run(config, out, ["seed=0"])
+    assert "config_content_sha256" in json.loads((record / "request.json").read_text()) and calls == ["run"]
+    (record / "request.json").write_text(json.dumps(legacy))
+    config.write_text("seed: 0\n")  # other bytes: the legacy record no longer answers
+    shutil.rmtree(tmp_path / "runs")
+    _runs.ensure_run(config, out, ["seed=0"], execute=False)
+    assert not out.exists() and "kept for another request" in capsys.readouterr().out
+    _runs.ensure_run(config, out, ["seed=0"])
+    assert calls == ["run", "run"]
+
+    # other overrides, or an edited config value: not that run; made anew, and its record replaced
     for change in ("overrides", "config"):
         shutil.rmtree(tmp_path / "runs")
         overrides = ["seed=0", "train.lr=0.1"] if change == "overrides" else ["seed=0"]
@@ -141,7 +165,7 @@ def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_reque
         assert "kept for another request" in capsys.readouterr().out
         _runs.ensure_run(config, out, overrides)
         assert json.loads((record / "request.json").read_text())["overrides"] == overrides
-    assert calls == ["run", "run", "run"]
+    assert calls == ["run"] * 4
 
     # a record never overwrites a started run; a record cut short (no summary.json) is no finished run
     asked = _runs.request(config, ["seed=0"])
