@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "runs"
 # A finished run's record, kept in the repository (benchmarks/results/records/<its path below runs/>): what a
 # report reads, without checkpoints and weights, and the request it answered (config file, the hash of its
-# content, the overrides). runs/ is not kept (a fresh clone has none), so a suite longer than one sitting would start again
-# from nothing; with these it restores the runs it finished and goes on. partition.json (the scored test
-# subset's indices) is kept gzipped.
+# content, the overrides). runs/ is not kept (a fresh clone has none), so a suite longer than one sitting would
+# start again from nothing; with these it restores the runs it finished and goes on. partition.json (the scored
+# test subset's indices) is kept gzipped.
 RECORDS = REPO / "benchmarks" / "results" / "records"
 RECORD_FILES = ("config.yaml", "partition.json", "metrics.jsonl", "summary.json")  # summary.json last
 REQUEST_FILE = "request.json"

@@ -57,9 +57,8 @@ chosen on a validation tenth of the training data, seeds 0-2): λ_con = 0.04 (4x
 on that benchmark: the chosen one is −0.06 [−4.45, +3.27] points of last-k test accuracy, and an oracle
 guidance source, at its own chosen options, −0.16 [−0.73, +0.87]. Run untuned on the diffusion-methods suite
 (benchmarks/results/diffusion_methods/, seeds 0-2) it is −2.70 [−2.93, −2.51] at Dirichlet 0.05 and within
-±0.2 of FedAvg at Dirichlet 0.2, NID2 and the long tail: where it is expected to lose is strong label skew,
-where the fixed per-image targets pull z away from what the skewed cross-entropy can fit. The defaults stay
-the paper's.
+±0.2 of FedAvg at Dirichlet 0.2, NID2 and the long tail: where it is expected to lose is strong label skew
+(Dirichlet 0.05 there, every seed below FedAvg). The defaults stay the paper's.
 """
 from __future__ import annotations
 
