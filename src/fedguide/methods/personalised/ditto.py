@@ -21,7 +21,8 @@ epochs or ``local_steps``); the official code takes plain gradient steps at one 
 
 Where it is expected to lose: on the global test set under the default ``global_eval: clients``, which scores
 each client's personal model v, fitted to its own label mix, on every class. On ``configs/demo.yaml`` (Dir 0.1,
-seed 0, last-2) that is 33.39 % against FedAvg's 60.86 % (benchmarks/results/method_defaults/). Its global
+seeds 0-2, last-2) that is 31.16 ± 2.59 % against FedAvg's 60.51 %, −29.35 [−41.87, −16.82] points paired
+(benchmarks/results/method_defaults/demo.md). Its global
 model is FedAvg's own (the global phase is FedAvg's local steps), so ``global_eval: server`` is the reading to
 compare with FedAvg, and ``personal_accuracy`` (``eval.mode: both``) the one Ditto is meant to win.
 
