@@ -67,10 +67,9 @@ def record_of(out: Path) -> Optional[Path]:
 def config_content_sha256(path: Path) -> str:
     """The hash of what a config file says, not of its bytes: its parsed YAML as canonical JSON, so a comment,
     a reordered key or a re-wrapped line is the same request and an edited value is another."""
-    import yaml
+    from fedguide.config import load_raw
 
-    content = yaml.safe_load(path.read_text())
-    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(load_raw(path), sort_keys=True, default=str).encode()).hexdigest()
 
 
 def request(config: Path | str, overrides: list[str]) -> dict[str, Any]:
@@ -79,18 +78,6 @@ def request(config: Path | str, overrides: list[str]) -> dict[str, Any]:
     path = Path(config).resolve()
     return {"config": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path),
             "config_content_sha256": config_content_sha256(path), "overrides": [str(o) for o in overrides]}
-
-
-def answers(kept: Optional[dict[str, Any]], asked: dict[str, Any]) -> bool:
-    """Whether a record's request ``kept`` is the request ``asked``. Records written before requests hashed the
-    config's content carry ``config_sha256``, the hash of its bytes: they answer while the file is byte for
-    byte the one they ran (and are rewritten with the content hash when their suite next passes)."""
-    if kept is None or (kept.get("config"), kept.get("overrides")) != (asked["config"], asked["overrides"]):
-        return False
-    if "config_content_sha256" in kept:
-        return kept["config_content_sha256"] == asked["config_content_sha256"]
-    path = REPO / asked["config"]
-    return path.is_file() and kept.get("config_sha256") == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -137,7 +124,7 @@ def restore_run(out: Path, asked: dict[str, Any]) -> bool:
         return False
     if (out / "summary.json").exists() or (out / "config.yaml").exists():
         return False
-    if not answers(_read_request(record), asked):
+    if _read_request(record) != asked:
         print(f"{record.relative_to(REPO)}: kept for another request (config or overrides changed); "
               "running it anew", flush=True)
         return False

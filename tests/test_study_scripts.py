@@ -92,7 +92,6 @@ def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_reque
     """runs/ is not in the repository: a suite run over several sittings restores what it finished from
     benchmarks/results/records, and never a record of other settings."""
     import gzip
-    import hashlib
     import json
 
     import _runs
@@ -136,24 +135,6 @@ def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_reque
     _runs.ensure_run(config, out, ["seed=0"], execute=False)
     assert (out / "summary.json").is_file() and calls == ["run"]
 
-    # a record from before requests hashed the content (the bytes' hash) answers the file it ran, byte for byte
-    legacy = {"config": "c.yaml", "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
-              "overrides": ["seed=0"]}
-    (record / "request.json").write_text(json.dumps(legacy))
-    shutil.rmtree(tmp_path / "runs")
-    _runs.ensure_run(config, out, ["seed=0"], execute=False)
-    assert (out / "summary.json").is_file() and calls == ["run"]
-    # ... and, passed by its suite with the run on disk, is rewritten with the content hash
-    _runs.ensure_run(config, out, ["seed=0"])
-    assert "config_content_sha256" in json.loads((record / "request.json").read_text()) and calls == ["run"]
-    (record / "request.json").write_text(json.dumps(legacy))
-    config.write_text("seed: 0\n")  # other bytes: the legacy record no longer answers
-    shutil.rmtree(tmp_path / "runs")
-    _runs.ensure_run(config, out, ["seed=0"], execute=False)
-    assert not out.exists() and "kept for another request" in capsys.readouterr().out
-    _runs.ensure_run(config, out, ["seed=0"])
-    assert calls == ["run", "run"]
-
     # other overrides, or an edited config value: not that run; made anew, and its record replaced
     for change in ("overrides", "config"):
         shutil.rmtree(tmp_path / "runs")
@@ -165,7 +146,7 @@ def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_reque
         assert "kept for another request" in capsys.readouterr().out
         _runs.ensure_run(config, out, overrides)
         assert json.loads((record / "request.json").read_text())["overrides"] == overrides
-    assert calls == ["run"] * 4
+    assert calls == ["run"] * 3
 
     # a record never overwrites a started run; a record cut short (no summary.json) is no finished run
     asked = _runs.request(config, ["seed=0"])
