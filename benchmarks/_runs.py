@@ -5,10 +5,12 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -137,24 +139,70 @@ def restore_run(out: Path, asked: dict[str, Any]) -> bool:
     return True
 
 
+def other_settings(config: Path | str, out: Path, overrides: list[str]) -> Optional[str]:
+    """Why the run ``out`` holds is not the one ``config`` with ``overrides`` resolves to today (the pinned
+    settings of its config.yaml against the resolved request, as a sweep compares them, and train.rounds); None
+    when it is, or when ``out`` holds no run. A config value edited since the run, or a method's default
+    changed in the code, makes another run of the same request."""
+    from fedguide.config import load_config
+    from fedguide.fl.run_folder import RunFolder
+    from fedguide.fl.setup import resolve
+    from fedguide.registry import ConfigError
+
+    folder = RunFolder(out)
+    if not folder.holds_run():
+        return None
+    wanted = resolve(load_config(config, overrides))
+    try:
+        comparison = folder.compare(wanted, ("its run", "the request"))
+    except (ConfigError, ValueError) as err:
+        return f"its config.yaml cannot be read: {err}"
+    if not comparison.same:
+        return "; ".join(comparison.differences)
+    if comparison.held_rounds != comparison.wanted_rounds:
+        return f"train.rounds: {comparison.held_rounds} (its run) vs {comparison.wanted_rounds} (the request)"
+    return None
+
+
+def _set_aside(out: Path, why: str, restored: bool) -> None:
+    """Clear ``out`` for the request's own run: a copy just restored from its record is dropped (the record
+    stays until the new run replaces it); a run made here is kept beside it, renamed, never deleted."""
+    if restored:
+        shutil.rmtree(out)
+        print(f"{out.relative_to(REPO) if out.is_relative_to(REPO) else out}: its record no longer matches the "
+              f"request ({why}); running it anew", flush=True)
+        return
+    aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.rename(aside)
+    print(f"{out}: not this request's run ({why}); kept as {aside.name}, running it anew", flush=True)
+
+
 def ensure_run(config: Path | str, out: Path, overrides: list[str], quiet: bool = True,
                execute: bool = True) -> Path:
     """The finished run in ``out``: kept when it has its summary.json, restored from its record (see
     RECORDS) when that answers the same request, continued with ``fedguide resume`` when it was started (its
     config.yaml is there: checkpoints, or a one-shot method's finished clients, are picked up), else started
-    with ``overrides``. A finished run without a record gets one. ``execute`` False: restore only, run nothing
-    (a suite's --report)."""
-    out = Path(out)
+    with ``overrides``. A folder whose run does not resolve to the request's settings (``other_settings``) is
+    set aside first, so a record is never re-labelled with a request its run did not answer. A finished run
+    without a record gets one. ``execute`` False: restore only, run nothing (a suite's --report)."""
+    out = Path(out).resolve()
     asked = request(config, overrides)
-    restore_run(out, asked)
-    if execute and not (out / "summary.json").exists():
+    restored = restore_run(out, asked)
+    why = other_settings(config, out, overrides)
+    if why is not None:
+        _set_aside(out, why, restored)
+        if not execute:
+            return out
+    made = execute and not (out / "summary.json").exists()
+    if made:
         flags = ["--quiet"] if quiet else []
         if (out / "config.yaml").is_file():
             cli("resume", out, *flags)
         else:
             cli("run", config, *flags, "--out", out, *overrides)
     record = record_of(out)
-    if record is not None and (out / "summary.json").is_file() and _read_request(record) != asked:
+    # a run made here replaces the record even of the same request: that record's run no longer resolved from it
+    if record is not None and (out / "summary.json").is_file() and (made or _read_request(record) != asked):
         keep_record(out, asked)
     return out
 

@@ -96,6 +96,9 @@ def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_reque
 
     import _runs
 
+    from fedguide.config import load_config, to_yaml
+    from fedguide.fl.setup import resolve
+
     monkeypatch.setattr(_runs, "REPO", tmp_path)
     monkeypatch.setattr(_runs, "RUNS", tmp_path / "runs")
     monkeypatch.setattr(_runs, "RECORDS", tmp_path / "records")
@@ -105,9 +108,11 @@ def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_reque
 
     def fake_cli(*args, capture=False):  # a run that writes what a finished run folder holds
         calls.append(args[0])
-        out = Path(args[args.index("--out") + 1])
+        at = args.index("--out")
+        out, overrides = Path(args[at + 1]), list(args[at + 2:])
         out.mkdir(parents=True)
-        for name, text in (("config.yaml", "c"), ("partition.json", "[1, 2]" * 50), ("metrics.jsonl", "{}\n"),
+        resolved = to_yaml(resolve(load_config(args[1], overrides)).config)
+        for name, text in (("config.yaml", resolved), ("partition.json", "[1, 2]" * 50), ("metrics.jsonl", "{}\n"),
                            ("summary.json", json.dumps({"args": [str(a) for a in args]}))):
             (out / name).write_text(text)
         (out / "checkpoints").mkdir()
@@ -147,6 +152,23 @@ def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_reque
         _runs.ensure_run(config, out, overrides)
         assert json.loads((record / "request.json").read_text())["overrides"] == overrides
     assert calls == ["run"] * 3
+
+    # a run kept in runs/ after a config value was edited is not re-labelled with the new request: it is set
+    # aside (renamed, not deleted) and the request's own run made
+    config.write_text("seed: 0\ntrain: {lr: 0.2}\n")
+    _runs.ensure_run(config, out, ["seed=0"])
+    assert calls == ["run"] * 4 and "lr: 0.2" in (out / "config.yaml").read_text()
+    aside = [p for p in out.parent.iterdir() if p.name.startswith("fedavg-s0.replaced-")]
+    assert len(aside) == 1 and "lr: 0.1" in (aside[0] / "config.yaml").read_text()
+    assert "train.lr" in capsys.readouterr().out
+    # a record whose run no longer resolves from its request (a default changed in the code since) is dropped
+    # once restored, and made anew
+    shutil.rmtree(tmp_path / "runs")
+    (record / "config.yaml").write_text((record / "config.yaml").read_text().replace("lr: 0.2", "lr: 0.3"))
+    _runs.ensure_run(config, out, ["seed=0"], execute=False)
+    assert not out.exists() and "no longer matches the request" in capsys.readouterr().out
+    _runs.ensure_run(config, out, ["seed=0"])
+    assert calls == ["run"] * 5 and "lr: 0.2" in (record / "config.yaml").read_text()
 
     # a record never overwrites a started run; a record cut short (no summary.json) is no finished run
     asked = _runs.request(config, ["seed=0"])
