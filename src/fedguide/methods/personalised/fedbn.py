@@ -9,9 +9,11 @@ into every client's model, and tests each client's model on that client's test s
 
 Where it is expected to lose: on the global test set under label skew. FedBN is made for feature shift (each
 client its own domain); its global accuracy scores each client's model, BatchNorm statistics fitted to its own
-label mix, on every class. On ``configs/demo.yaml`` (Dir 0.1, seed 0, last-2) that is 73.12 % against 77.80 % for
-FedAvg on the same network with BatchNorm (``model.batch_norm: true``; benchmarks/results/method_defaults/).
-Compare it on a domain partition with ``eval.mode: personal``, its own protocol.
+label mix, on every class. On ``configs/demo.yaml`` (Dir 0.1, seeds 0-2, last-k) that is 70.46 % against 76.65 % for
+FedAvg on the same network with BatchNorm (``model.batch_norm: true``): −6.18 points paired (per seed −4.68,
+−3.89, −9.98; interval [−14.40, +2.04]), more than its own seed spread of 4.30
+(benchmarks/results/method_defaults/demo.md). Compare it on a domain partition with ``eval.mode: personal``,
+its own protocol.
 
 Defaults and decisions:
 - Local entries are found by module type, not by name: every entry of a BatchNorm layer (``torch.nn``'s
