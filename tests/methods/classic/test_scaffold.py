@@ -140,6 +140,44 @@ def test_local_loss_gradient_is_ce_gradient_minus_ci_plus_c():
     assert torch.allclose(got, ce + (c - c_i), atol=1e-7)
 
 
+def test_step_correction_is_niid_benchs_plain_step_beside_the_momentum_step():
+    """correction: step is NIID-Bench's train_net_scaffold: the optimiser (momentum 0.9) steps on the plain
+    cross-entropy gradient and the weights then move by −η_l·(c − c_i); the control update divides by K·η_l
+    with no momentum factor."""
+    model, method = _linear_method()
+    method.params = ScaffoldParams(correction="step", local_momentum=None)
+    method.run.train = TrainConfig(lr=0.1, momentum=0.9, weight_decay=0.0)
+    reference = nn.Linear(3, 2)
+    reference.load_state_dict(model.state_dict())
+    x0 = method.run.layout.flatten(model)
+    c, c_i = torch.arange(8, dtype=torch.float32) / 10, torch.full((8,), 0.05)
+    ctx = ClientContext(0, 2, Data(indices=torch.arange(12)), {"weights": x0, "control": c}, {"control": c_i})
+    state = method.begin_local(model, ctx)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference))
+    torch.manual_seed(0)
+    for _ in range(3):
+        x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        opt.zero_grad()
+        loss = method.local_loss(model, x, y, ctx, state)
+        assert loss.item() == pytest.approx(F.cross_entropy(model(x), y).item())
+        loss.backward()
+        method.after_backward(model, ctx, state)
+        opt.step()
+        ref_opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        with torch.no_grad():  # net_para[key] - args.lr * (c_global_para[key] - c_local_para[key])
+            reference.weight -= 0.1 * (c[:6] - c_i[:6]).view(2, 3)
+            reference.bias -= 0.1 * (c[6:] - c_i[6:])
+    got, want = method.run.layout.flatten(model), method.run.layout.flatten(reference)
+    assert torch.allclose(got, want, atol=1e-6)
+    ctx.steps = 3
+    upload = method.client_upload(model, ctx, state)
+    literal = c_i - c + (x0 - got) / (3 * 0.1)  # no momentum factor under correction: step
+    assert torch.allclose(ctx.state["control"], literal, atol=1e-5)
+    assert torch.allclose(upload["delta_c"], literal - c_i, atol=1e-5)
+
+
 def test_no_correction_when_controls_are_equal():
     model, method = _linear_method()
     ctx = ClientContext(0, 1, None, {"control": torch.zeros(8)}, {})
@@ -149,7 +187,7 @@ def test_no_correction_when_controls_are_equal():
 def test_params_default_and_validation():
     p = ScaffoldParams()
     assert (p.server_lr, p.weighting, p.momentum_correction) == (1.0, "uniform", True)
-    assert (p.local_momentum, p.control) == (0.0, "option2")
+    assert (p.local_momentum, p.control, p.correction) == (0.0, "option2", "gradient")
     with pytest.raises(ValueError):
         ScaffoldParams(server_lr=0.0)
     with pytest.raises(ValueError):

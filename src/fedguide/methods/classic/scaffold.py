@@ -30,6 +30,15 @@ Decisions:
   We therefore divide by K·η_l·m(K, β). For β = 0 m = 1 and this is the paper's formula exactly; set
   ``momentum_correction: false`` for the literal formula under momentum. With Adam there is no
   such factor (m = 1); option II is then only a heuristic.
+- ``correction: step`` applies c − c_i as NIID-Bench does (Li, Diao, Chen & He, ICDE 2022; github.com/
+  Xtra-Computing/NIID-Bench, experiments.py ``train_net_scaffold`` L343-349 and L359-362, run there with SGD
+  lr 0.01 and momentum 0.9, ``scripts/image-data-without-noise.sh``): the optimiser steps on the plain
+  gradient and the weights then move by −η_l·(c − c_i), a plain step outside momentum and weight decay; the
+  control update is option II's literal (x − y_i)/(K·η_l), so under momentum c_i is the mean step taken over
+  η_l, the units the plain correction step needs (``momentum_correction`` does not apply). The step is applied
+  in ``after_backward``, before the optimiser's rather than after it: the gradient is already taken, so the
+  weights end the same, except that weight decay sees the moved weights (η_l²·λ·(c − c_i) per step).
+  NIID-Bench's setting is ``correction: step, local_momentum: null``.
 - ``control: option1`` is the paper's other choice, c_i⁺ = ∇f_i(x): one extra gradient pass over the
   local data at the server model, before training.
 - Control variates cover trainable parameters only; buffers (BatchNorm running statistics) are
@@ -60,6 +69,10 @@ class ScaffoldParams(BaseModel):
     local_momentum: Optional[float] = Field(
         0.0, ge=0.0, lt=1.0,
         description="SGD momentum of the local steps: 0 is Algorithm 1's plain SGD; null keeps train.momentum")
+    correction: Literal["gradient", "step"] = Field(
+        "gradient", description="how c − c_i enters a local step: gradient (added to the gradient, so through the "
+                                "optimiser's momentum and weight decay; Algorithm 1) or step (a plain step "
+                                "−η_l·(c − c_i) beside the optimiser's; NIID-Bench's train_net_scaffold)")
     control: Literal["option2", "option1"] = Field(
         "option2", description="c_i update: option II (from the local step) or option I (a gradient "
                                "pass over the local data at the server model)")
@@ -196,14 +209,27 @@ class Scaffold(Method):
 
     def local_loss(self, model, x, y, ctx, state: ScaffoldRound):
         loss = super().local_loss(model, x, y, ctx, state)
-        return loss if state.pairs is None else loss + correction_term(*state.pairs)
+        if state.pairs is None or self.params.correction == "step":
+            return loss
+        return loss + correction_term(*state.pairs)
+
+    def after_backward(self, model, ctx, state: ScaffoldRound) -> None:
+        # correction: step. The weights move by −η_l·(c − c_i) before the optimiser's step rather than after it, as
+        # NIID-Bench does: the gradient is already taken, so the result is the same (only weight decay sees the
+        # moved weights, a difference of η_l²·λ·(c − c_i) per step).
+        if state.pairs is None or self.params.correction != "step":
+            return
+        with torch.no_grad():
+            torch._foreach_add_(state.pairs[0], state.pairs[1], alpha=-self.local_train(self.run.train).lr)
 
     def client_upload(self, model, ctx, state: ScaffoldRound):
         train = self.local_train(self.run.train)
         x, y = ctx.payload["weights"], self.run.layout.flatten(model)
         c_local = ctx.state.get("control", self._zeros())
         lr = train.lr
-        if self.params.momentum_correction and train.optimizer == "sgd":
+        # Under correction: step the control variates stay in the units of the steps taken (NIID-Bench's c_i is
+        # the mean momentum step over η_l), the units its plain correction step needs: no momentum factor.
+        if self.params.momentum_correction and self.params.correction == "gradient" and train.optimizer == "sgd":
             lr *= momentum_factor(ctx.steps, train.momentum)
         if self.params.control == "option1":
             c_new = state.gradient_at_x
