@@ -31,7 +31,7 @@ Decisions:
   ``momentum_correction: false`` for the literal formula under momentum. With Adam there is no
   such factor (m = 1); option II is then only a heuristic.
 - ``correction: step`` applies c − c_i as NIID-Bench does (Li, Diao, Chen & He, ICDE 2022; github.com/
-  Xtra-Computing/NIID-Bench, experiments.py ``train_net_scaffold`` L343-349 and L359-362, run there with SGD
+  Xtra-Computing/NIID-Bench, experiments.py ``train_net_scaffold`` L345-350 and L364, run there with SGD
   lr 0.01 and momentum 0.9, ``scripts/image-data-without-noise.sh``): the optimiser steps on the plain
   gradient and the weights then move by −η_l·(c − c_i), a plain step outside momentum and weight decay; the
   control update is option II's literal (x − y_i)/(K·η_l), so under momentum c_i is the mean step taken over
