@@ -98,6 +98,10 @@ def _read_request(record: Path) -> Optional[dict[str, Any]]:
         return None
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    return b.is_file() and a.read_bytes() == b.read_bytes()
+
+
 def keep_record(out: Path, asked: dict[str, Any]) -> None:
     """Write the finished run in ``out`` to its record (``record_of``) with the request ``asked``; a record of
     another request there is replaced. Nothing for a folder outside runs/ or an unfinished run."""
@@ -201,8 +205,10 @@ def ensure_run(config: Path | str, out: Path, overrides: list[str], quiet: bool 
         else:
             cli("run", config, *flags, "--out", out, *overrides)
     record = record_of(out)
-    # a run made here replaces the record even of the same request: that record's run no longer resolved from it
-    if record is not None and (out / "summary.json").is_file() and (made or _read_request(record) != asked):
+    # the record follows the run in runs/: another request's record, or another run's (one made here because the
+    # record's no longer resolved from its request, or a run put in its folder by hand), is replaced
+    if record is not None and (out / "summary.json").is_file() and (
+            made or _read_request(record) != asked or not _same_file(out / "summary.json", record / "summary.json")):
         keep_record(out, asked)
     return out
 

@@ -170,6 +170,11 @@ def test_a_finished_run_is_kept_as_a_record_and_restored_only_for_the_same_reque
     _runs.ensure_run(config, out, ["seed=0"])
     assert calls == ["run"] * 5 and "lr: 0.2" in (record / "config.yaml").read_text()
 
+    # a finished run of the same request put in the folder by hand (another seed's rerun, a copy) replaces the record
+    (out / "summary.json").write_text(json.dumps({"copied": True}))
+    _runs.ensure_run(config, out, ["seed=0"], execute=False)
+    assert json.loads((record / "summary.json").read_text()) == {"copied": True} and calls == ["run"] * 5
+
     # a record never overwrites a started run; a record cut short (no summary.json) is no finished run
     asked = _runs.request(config, ["seed=0"])
     shutil.rmtree(tmp_path / "runs")
