@@ -125,6 +125,7 @@ def _linear_method():
 
 def test_local_loss_gradient_is_ce_gradient_minus_ci_plus_c():
     model, method = _linear_method()
+    method.params = ScaffoldParams(correction="gradient")
     c = torch.arange(8, dtype=torch.float32) / 10
     c_i = torch.full((8,), 0.05)
     ctx = ClientContext(0, 2, None, {"control": c}, {"control": c_i})
@@ -187,18 +188,19 @@ def test_no_correction_when_controls_are_equal():
 def test_params_default_and_validation():
     p = ScaffoldParams()
     assert (p.server_lr, p.weighting, p.momentum_correction) == (1.0, "uniform", True)
-    assert (p.local_momentum, p.control, p.correction) == (0.0, "option2", "gradient")
+    assert (p.local_momentum, p.control, p.correction) == (None, "option2", "step")
     with pytest.raises(ValueError):
         ScaffoldParams(server_lr=0.0)
     with pytest.raises(ValueError):
         ScaffoldParams(weighting="median")
 
 
-def test_local_steps_are_plain_sgd_unless_asked_otherwise():
+def test_local_steps_use_the_runs_optimiser_unless_asked_otherwise():
+    """A method's name does not change the train settings: SCAFFOLD takes the config's momentum."""
     train = TrainConfig(momentum=0.9, lr=0.05)
-    plain = Scaffold(ScaffoldParams(), None).local_train(train)
+    assert Scaffold(ScaffoldParams(), None).local_train(train) is train
+    plain = Scaffold(ScaffoldParams(local_momentum=0.0), None).local_train(train)
     assert (plain.momentum, plain.lr) == (0.0, 0.05) and train.momentum == 0.9
-    assert Scaffold(ScaffoldParams(local_momentum=None), None).local_train(train) is train
     assert Scaffold(ScaffoldParams(local_momentum=0.5), None).local_train(train).momentum == 0.5
 
 
@@ -252,19 +254,20 @@ def _train_one_client(run_dir, method_name, **over):
 
 
 def test_first_round_client_update_equals_fedavg(tmp_path):
-    y_avg, _, _ = _train_one_client(tmp_path / "a", "fedavg", train={"momentum": 0.0})
+    y_avg, _, _ = _train_one_client(tmp_path / "a", "fedavg")
     y_scaf, upload, payload = _train_one_client(tmp_path / "b", "scaffold")
     assert torch.equal(y_avg, y_scaf), "with c = c_i = 0 the local steps are FedAvg's, bit for bit"
     assert torch.allclose(payload["weights"] + upload["delta_y"], y_avg)
     assert set(upload) == {"delta_y", "delta_c", "num_samples"}
-    y_mom, _, _ = _train_one_client(tmp_path / "c", {"name": "scaffold", "local_momentum": None})
-    assert not torch.equal(y_mom, y_scaf), "local_momentum: null keeps the config's momentum"
+    y_plain, _, _ = _train_one_client(tmp_path / "c", {"name": "scaffold", "local_momentum": 0.0})
+    y_avg_plain, _, _ = _train_one_client(tmp_path / "d", "fedavg", train={"momentum": 0.0})
+    assert torch.equal(y_plain, y_avg_plain) and not torch.equal(y_plain, y_scaf), \
+        "local_momentum: 0 is Algorithm 1's plain SGD"
     assert torch.any(upload["delta_c"] != 0)
 
 
 def test_learns_and_keeps_controls(tmp_path):
-    # plain SGD needs the step size that momentum 0.9 gave the tiny run implicitly
-    summary, rows, run_dir = run(tmp_path, train={"lr": 0.2})
+    summary, rows, run_dir = run(tmp_path)  # the tiny config's optimiser: SGD lr 0.05, momentum 0.9
     assert summary["final_accuracy"] > 0.5
     store = ClientStateStore(run_dir / "client_state")
     seen = sorted({c for r in rows for c in r["clients"]})
