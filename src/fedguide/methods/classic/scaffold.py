@@ -79,9 +79,9 @@ class ScaffoldParams(BaseModel):
         description="SGD momentum of SCAFFOLD's local steps alone: null keeps train.momentum (every method's); 0 "
                     "is Algorithm 1's plain SGD")
     correction: Literal["gradient", "step"] = Field(
-        "step", description="how c − c_i enters a local step: gradient (added to the gradient, so through the "
-                                "optimiser's momentum and weight decay; Algorithm 1) or step (a plain step "
-                                "−η_l·(c − c_i) beside the optimiser's; NIID-Bench's train_net_scaffold)")
+        "step", description="how c − c_i enters a local step: step (a plain step −η_l·(c − c_i) beside the "
+                            "optimiser's; NIID-Bench's train_net_scaffold) or gradient (added to the gradient, so "
+                            "through the optimiser's momentum and weight decay)")
     control: Literal["option2", "option1"] = Field(
         "option2", description="c_i update: option II (from the local step) or option I (a gradient "
                                "pass over the local data at the server model)")
