@@ -25,7 +25,8 @@ Decisions:
   seed: on ``configs/demo.yaml`` this default is 57.75 % against FedAvg's 60.51 % (−2.76 points, interval
   [−6.88, +1.36]), where the earlier default, plain local SGD whatever the config said, was 53.51 % (−6.99);
   on ``configs/fmnist_dir0.1.yaml`` at ``data.fraction=0.25`` it is 70.51 % against 75.75 % (−5.24, [−17.83,
-  +7.35]; per seed +0.50, −9.10, −7.12). Where it is expected to lose: on short runs under strong label skew
+  +7.35]; per seed +0.50, −9.10, −7.12), where plain local SGD was 64.80 % (−10.95)
+  (benchmarks/results/scaffold_defaults.md). Where it is expected to lose: on short runs under strong label skew
   such as these (10-20 rounds of one local epoch, Dir 0.1), by more than its seed spread (2.15 and 3.01
   points). The likely reason, not measured apart: each c_i is one round old and estimated from a client's
   own skewed data, so early on its correction adds as much noise as it removes drift; the paper's and
