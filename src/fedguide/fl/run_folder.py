@@ -127,11 +127,30 @@ class SettingsComparison:
         return not self.differences
 
 
+def as_written_then(raw: dict[str, Any]) -> dict[str, Any]:
+    """A run's config as it ran: a method parameter added since the run wrote its config, whose default
+    differs from what runs did before it had one (the parameters class's ``written_before``: SCAFFOLD's
+    ``correction``), takes that earlier value, so a resume continues the run as it started and a comparison
+    sees what it ran. Anything it cannot place is returned as it is (validation says what is wrong)."""
+    method = raw.get("method")
+    if not isinstance(method, dict) or not isinstance(method.get("name"), str):
+        return raw
+    from fedguide.methods import METHODS
+
+    try:
+        earlier = getattr(METHODS.get(method["name"]).params, "written_before", {})
+    except (ConfigError, KeyError, ValueError):
+        return raw
+    missing = {key: value for key, value in earlier.items() if key not in method}
+    return {**raw, "method": {**method, **missing}} if missing else raw
+
+
 def compare_pinned(held: dict[str, Any], wanted: dict[str, Any], labels: tuple[str, str],
                    defaults: Optional[dict[str, Any]] = None) -> SettingsComparison:
     """The one comparison behind ``resume`` and sweeps: every pinned key must agree except ``train.rounds``,
     which the caller judges (a resume may raise it; a sweep with fewer rounds finds the run finished).
     ``defaults``: ``default_keys`` of the settings ``wanted`` was dumped from."""
+    held = as_written_then(held)
     wanted = unpinned_defaults(held, wanted, defaults)
     held_rounds, wanted_rounds = held["train"]["rounds"], wanted["train"]["rounds"]
     aligned = {**wanted, "train": {**wanted["train"], "rounds": held_rounds}}
@@ -219,7 +238,7 @@ class RunFolder:
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of settings, found {type(raw).__name__}; {RESTORE}")
         try:
-            return build_config(raw)
+            return build_config(as_written_then(raw))
         except ConfigError as err:
             raise ConfigError(f"{path} does not hold a valid config ({err}); {RESTORE}") from None
 

@@ -304,3 +304,25 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path):
     b = load_checkpoint(cut_dir / "checkpoints")
     assert torch.equal(a.global_weights, b.global_weights)
     assert torch.equal(a.method_state["control"], b.method_state["control"])
+
+
+def test_a_run_written_before_the_correction_option_resumes_and_compares_as_it_ran(tmp_path):
+    """A config.yaml from before ``correction`` existed ran the gradient form: read back (resume, sweeps) it
+    keeps it, and the checkpoint's pinned settings, which lack the key too, still agree with it."""
+    import yaml
+
+    from fedguide.config import build_config, to_yaml
+    from fedguide.fl.run_folder import RunFolder, compare_pinned, default_keys, pinned_config
+
+    raw = yaml.safe_load(to_yaml(prepare(config()).config))
+    assert raw["method"]["correction"] == "step"
+    del raw["method"]["correction"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    cfg = RunFolder(tmp_path).read_config()
+    assert cfg.method.params_dict()["correction"] == "gradient"
+    old_pin = pinned_config(build_config(raw))
+    assert "correction" not in old_pin["method"]
+    assert compare_pinned(old_pin, pinned_config(cfg), ("checkpoint", "config.yaml"), default_keys(cfg)).same
+    # a request today (no key: the new default) is another run than that one
+    today = prepare(config()).config
+    assert not compare_pinned(pinned_config(cfg), pinned_config(today), ("run", "request"), default_keys(today)).same

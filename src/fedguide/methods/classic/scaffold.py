@@ -14,7 +14,7 @@ Decisions:
   1's plain SGD; ``local_momentum: 0`` gives it to SCAFFOLD alone). ``train.lr`` stays η_l.
 - The correction is applied as NIID-Bench does (``correction: step``; Li, Diao, Chen & He, ICDE 2022,
   github.com/Xtra-Computing/NIID-Bench, experiments.py ``train_net_scaffold`` L345-350 and L364, run there with
-  SGD lr 0.01 and momentum 0.9, ``scripts/image-data-without-noise.sh``): the optimiser steps on the plain
+  SGD lr 0.01 and momentum 0.9 by its image-data-without-noise.sh script): the optimiser steps on the plain
   gradient and the weights then move by −η_l·(c − c_i), a plain step outside momentum and weight decay; the
   control update is option II's literal (x − y_i)/(K·η_l), so under momentum c_i is the mean step taken over
   η_l, the units the plain correction step needs (``momentum_correction`` does not apply). The step is
@@ -60,7 +60,7 @@ Decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Any, ClassVar, Literal, Optional, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -70,6 +70,8 @@ from fedguide.methods.base import METHODS, Method
 
 class ScaffoldParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # What a run whose config.yaml predates ``correction`` ran (fl/run_folder.as_written_then): its resume goes on so.
+    written_before: ClassVar[dict[str, Any]] = {"correction": "gradient"}
     server_lr: float = Field(1.0, gt=0.0, description="global step size η_g")
     weighting: Literal["uniform", "samples"] = Field(
         "uniform", description="mean of Δy over clients: uniform (paper) or sample-weighted")
