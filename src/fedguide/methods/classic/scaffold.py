@@ -232,7 +232,7 @@ class Scaffold(Method):
         if state.pairs is None or self.params.correction != "step":
             return
         with torch.no_grad():
-            torch._foreach_add_(state.pairs[0], state.pairs[1], alpha=-self.local_train(self.run.train).lr)
+            torch._foreach_add_(state.pairs[0], state.pairs[1], alpha=-self.run.train.lr)  # local_train keeps lr
 
     def client_upload(self, model, ctx, state: ScaffoldRound):
         train = self.local_train(self.run.train)
