@@ -14,6 +14,11 @@ The table pairs each method's last-k accuracy with its reference's, seed by seed
 Runs are resumable (kept when finished, continued when started); the table and status go to
 benchmarks/results/method_defaults/<config>.md. Methods built on a guidance model run on configs that name
 one (demo.yaml: the embedded model); elsewhere they are left out and listed as such.
+
+``--personal`` asks the other question of the methods whose clients keep a model of their own (Ditto, pFedMe,
+FedRep, Local, ...), whose global accuracy scores those models on the whole test set: the same runs with
+``eval.mode=both``, compared on their personal last-k accuracy (each client's model on its own test split, drawn
+with its label mix) against FedAvg's global model on the same splits; the table goes to <config>_personal.md.
 """
 from __future__ import annotations
 
@@ -29,6 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _runs import FROM_DEFAULTS, REPO, ensure_run, summary  # noqa: E402
 
+from fedguide.report.measures import measure  # noqa: E402
+from fedguide.report.runs import load_run  # noqa: E402
+
 from fedguide.core.atomic import write_text  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "method_defaults"
@@ -37,6 +45,18 @@ CONFIGS = [REPO / "configs/demo.yaml", REPO / "configs/fmnist_dir0.1.yaml"]
 GENERATING = ("fedcado", "sd_gen", "feddda", "feddisc")
 # Two-sided 95 % t quantiles by degrees of freedom (n - 1 paired seeds).
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+# The number each table compares: the global last-k accuracy, or (--personal) the personal one.
+COMPARED = {"last_k": "last-k accuracy (the config's report.last_k)",
+            "personal_last_k": "personal last-k accuracy (eval.mode both: the mean over clients of each client's "
+                               "model on its own test split; FedAvg's is its global model on the same splits)"}
+
+
+def personal_methods() -> list[str]:
+    """The methods whose clients keep a model of their own (they override ``Method.personal_model``)."""
+    from fedguide.methods import METHODS
+    from fedguide.methods.base import Method
+
+    return [n for n in METHODS.names() if METHODS.get(n).obj.personal_model is not Method.personal_model]
 
 
 def requirement_overrides(name: str) -> list[str]:
@@ -76,10 +96,12 @@ def reference_label(name: str) -> str:
     return "fedavg" if not needs else "fedavg[" + ",".join(o.removeprefix("model.") for o in needs) + "]"
 
 
-def plan(config: Path, names: list[str], seeds: list[int], out: Path) -> list[tuple[Path, list[str]]]:
+def plan(config: Path, names: list[str], seeds: list[int], out: Path,
+         extra: tuple[str, ...] = ()) -> list[tuple[Path, list[str]]]:
     """The runs in the order they go: method by method, every seed of one before the next (each with its FedAvg
     reference of that seed first), the methods that generate images last, so that a suite stopped part way
-    leaves whole rows of the table and the hours of image generation wait for everything else."""
+    leaves whole rows of the table and the hours of image generation wait for everything else. ``extra``: overrides
+    every run gets (``eval.mode=both`` for --personal)."""
     runs, seen = [], set()
     order = sorted(["fedavg", *names], key=lambda name: name in GENERATING)
     for name in order:
@@ -89,25 +111,34 @@ def plan(config: Path, names: list[str], seeds: list[int], out: Path) -> list[tu
                 folder = run_dir(out, config, label, seed)
                 if folder not in seen:
                     seen.add(folder)
-                    runs.append((folder, [*FROM_DEFAULTS, *overrides, f"seed={seed}"]))
+                    runs.append((folder, [*FROM_DEFAULTS, *overrides, *extra, f"seed={seed}"]))
     return runs
 
 
-def last_k(folder: Path) -> float | None:
-    return summary(folder)["accuracy_last_k"] if (folder / "summary.json").exists() else None
+def last_k(folder: Path, metric: str = "last_k") -> float | None:
+    if not (folder / "summary.json").exists():
+        return None
+    if metric == "last_k":
+        return summary(folder)["accuracy_last_k"]
+    run = load_run(folder)  # the personal series over the run's own last k scored rounds
+    return measure(run, "last_k", run.last_k, "personal_accuracy")
 
 
-def table(config: Path, names: list[str], left: list[str], seeds: list[int], out: Path) -> str:
-    lines = [f"# Method defaults against FedAvg on the same network: {config.relative_to(REPO)}", "",
-             f"Seeds {', '.join(map(str, seeds))}; last-k accuracy (the config's report.last_k); "
-             f"differences paired by seed. Made with `benchmarks/method_defaults.py`, "
-             f"{date.today().isoformat()}, 2-core CPU.", "",
-             "| method | reference | seeds | last-k % mean ± std | Δ vs reference (points) | 95 % paired interval | "
-             "below by more than its seed spread |",
+def table(config: Path, names: list[str], left: list[str], seeds: list[int], out: Path,
+          metric: str = "last_k") -> str:
+    personal = metric != "last_k"
+    script = "benchmarks/method_defaults.py" + (" --personal" if personal else "")
+    lines = [f"# Method defaults against FedAvg on the same network{' (personal accuracy)' if personal else ''}: "
+             f"{config.relative_to(REPO)}", "",
+             f"Seeds {', '.join(map(str, seeds))}; {COMPARED[metric]}; "
+             f"differences paired by seed. Made with `{script}`, {date.today().isoformat()}, 2-core CPU.", "",
+             f"| method | reference | seeds | {'personal ' if personal else ''}last-k % mean ± std | "
+             "Δ vs reference (points) | 95 % paired interval | below by more than its seed spread |",
              "|---|---|---:|---:|---:|---:|---|"]
     for name in names:
         ref = reference_label(name)
-        pairs = [(last_k(run_dir(out, config, name, s)), last_k(run_dir(out, config, ref, s))) for s in seeds]
+        pairs = [(last_k(run_dir(out, config, name, s), metric), last_k(run_dir(out, config, ref, s), metric))
+                 for s in seeds]
         pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
         if not pairs:
             lines.append(f"| {name} | {ref} | 0 | — | — | — | not run yet |")
@@ -135,14 +166,23 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", type=Path, default=CONFIGS)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--methods", nargs="+", default=None)
-    ap.add_argument("--out", type=Path, default=REPO / "runs" / "method_defaults")
+    ap.add_argument("--out", type=Path, default=None, help="runs/method_defaults (runs/method_defaults_personal "
+                                                            "with --personal)")
+    ap.add_argument("--personal", action="store_true",
+                    help="the methods with personal models (or --methods), with eval.mode=both, compared on "
+                         "personal accuracy")
     ap.add_argument("--report", action="store_true", help="write the tables from the finished runs only")
     args = ap.parse_args()
+    out = args.out or REPO / "runs" / ("method_defaults_personal" if args.personal else "method_defaults")
+    metric, extra, suffix = ("personal_last_k", ("eval.mode=both",), "_personal") if args.personal \
+        else ("last_k", (), "")
+    chosen = args.methods or (personal_methods() if args.personal else None)
     RESULTS.mkdir(parents=True, exist_ok=True)
     for config in args.configs:
         config = config.resolve()
-        names, left = methods_for(config, args.methods)
-        runs = plan(config, names, args.seeds, args.out)
+        names, left = methods_for(config, chosen)
+        runs = plan(config, names, args.seeds, out, extra)
+        result = RESULTS / f"{config.stem}{suffix}.md"
         for folder, overrides in runs:  # the runs of an earlier sitting, from their records
             ensure_run(config, folder, overrides, execute=False)
         if not args.report:
@@ -154,9 +194,9 @@ def main() -> None:
                     print(f"[{i}/{len(runs)}] {folder.name}: FAILED (exit {err.returncode}); the next invocation "
                           "tries it again", flush=True)
                     continue
-                write_text(RESULTS / f"{config.stem}.md", table(config, names, left, args.seeds, args.out))
-        write_text(RESULTS / f"{config.stem}.md", table(config, names, left, args.seeds, args.out))
-        print((RESULTS / f"{config.stem}.md").read_text())
+                write_text(result, table(config, names, left, args.seeds, out, metric))
+        write_text(result, table(config, names, left, args.seeds, out, metric))
+        print(result.read_text())
 
 
 if __name__ == "__main__":

@@ -221,3 +221,35 @@ def test_method_defaults_table_pairs_by_seed_flags_a_loss_beyond_the_seed_spread
     assert rows["fedprox"][4] == "-9.67" and rows["fedprox"][6].startswith("**yes**")
     assert rows["fedcda"][4] == "+0.00" and "the reference's accuracy on every seed" in rows["fedcda"][6]
     assert rows["moon"][4] == "+0.33" and rows["moon"][6].strip(" |") == "no"
+
+
+def test_method_defaults_personal_table_compares_the_personal_series_over_each_runs_last_k_rounds(tmp_path):
+    """--personal: the personal models' own-split accuracy, averaged over the run's last k scored rounds, is what
+    pairs with FedAvg's (its global model on the same splits); the global last-k of the same runs is not."""
+    import json
+
+    import method_defaults
+
+    assert {"ditto", "pfedme", "fedrep", "local"} <= set(method_defaults.personal_methods())
+    assert "fedavg" not in method_defaults.personal_methods()
+    config = method_defaults.REPO / "configs" / "demo.yaml"
+    # (global accuracy, personal accuracy) of rounds 1-3; the last 2 rounds count
+    curves = {"fedavg": [[(0.5, 0.5), (0.6, 0.4), (0.6, 0.6)], [(0.5, 0.5), (0.6, 0.5), (0.6, 0.5)]],
+              "pfedme": [[(0.1, 0.9), (0.2, 0.7), (0.2, 0.8)], [(0.1, 0.9), (0.2, 0.8), (0.2, 0.8)]]}
+    for name, per_seed in curves.items():
+        for seed, rounds in enumerate(per_seed):
+            folder = method_defaults.run_dir(tmp_path, config, name, seed)
+            folder.mkdir(parents=True)
+            (folder / "metrics.jsonl").write_text("".join(
+                json.dumps({"round": r, "accuracy": g, "personal_accuracy": p}) + "\n"
+                for r, (g, p) in enumerate(rounds, 1)))
+            (folder / "summary.json").write_text(json.dumps(
+                {"method": name, "accuracy_last_k": sum(g for g, _ in rounds[-2:]) / 2, "last_k": 2}))
+    personal = method_defaults.table(config, ["pfedme"], [], [0, 1], tmp_path, "personal_last_k")
+    row = next(line for line in personal.splitlines() if line.startswith("| pfedme")).split(" | ")
+    # pfedme 75 and 80 % against fedavg's 50 and 50 %: +27.5 points; the global table says -40
+    assert row[3] == "77.50 ± 3.54" and row[4] == "+27.50" and row[6].strip(" |") == "no"
+    assert "personal last-k % mean ± std" in personal and "--personal" in personal
+    row = next(line for line in method_defaults.table(config, ["pfedme"], [], [0, 1], tmp_path).splitlines()
+               if line.startswith("| pfedme")).split(" | ")
+    assert row[4] == "-40.00" and row[6].startswith("**yes**")
