@@ -44,6 +44,18 @@ def test_load_run(runs):
     assert live.partition_label == "dirichlet(alpha=0.1)"  # rebuilt from config, matching the summary label
 
 
+def test_an_unfinished_run_names_its_partition_as_the_engine_names_a_finished_ones(tmp_path):
+    """A diverged or running run is labelled from its resolved config.yaml: the search budget max_tries, which the
+    engine leaves out of a summary's label, must not make it look like another partition in the table."""
+    from fedguide.config import load_config
+    from fedguide.fl.engine import partition_label
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml", ["partition.max_tries=1000"])
+    live = with_config(make_run(tmp_path, "live", "fedavg", 0, complete=False, rounds_done=2),
+                       partition__min_size=10, partition__max_tries=1000)
+    assert load_run(live).partition_label == partition_label(cfg) == "dirichlet(alpha=0.1, min_size=10)"
+
+
 def test_table_values_order_and_incomplete(runs):
     md = results_table([load_run(p) for p in runs])
     header = [line for line in md.splitlines() if line.startswith("|")][0]

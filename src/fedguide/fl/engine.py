@@ -26,6 +26,7 @@ from fedguide.fl.loggers import MetricLoggers, check_available, open_loggers
 from fedguide.fl.run_folder import RunFolder, pinned_config
 from fedguide.fl.runtime import Executor, RunHandle, Runtime, runtime_of
 from fedguide.data.device_data import SHARED_DECISION
+from fedguide.data.partition import partition_label as label_of_partition
 from fedguide.fl.setup import Prepared, client_processes_on_device, open_run
 from fedguide.methods import Method, RunContext
 from fedguide.methods.compose import Hooks
@@ -36,8 +37,7 @@ TIMING_METRICS = frozenset({"seconds", "train_seconds", "aggregate_seconds", "ev
 
 
 def partition_label(cfg: Config) -> str:
-    params = ", ".join(f"{k}={v}" for k, v in cfg.partition.params_dict().items() if k != "max_tries")
-    return f"{cfg.partition.name}({params})" if params else cfg.partition.name
+    return label_of_partition(cfg.partition.name, cfg.partition.params_dict())
 
 
 def _restore_env(name: str, value: Optional[str]) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Union
 from pydantic import ValidationError
 
 from fedguide.config import ReportConfig
+from fedguide.data.partition import partition_label
 from fedguide.fl.run_folder import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunFolder
 
 
@@ -70,13 +71,12 @@ class RunRecord:
         label = self._summary_get("partition")
         if label:
             return str(label)
-        # An unfinished run has no summary; rebuild the same style of label from the config
-        # so it lands next to its finished siblings in the table.
+        # An unfinished run has no summary: the label its summary would hold, so that it lands next to its
+        # finished siblings in the table.
         sec = self._section("partition")
         if not sec:
             return "?"
-        params = ", ".join(f"{k}={_fmt_value(v)}" for k, v in sorted(sec.items()) if k != "name")
-        return f"{sec.get('name', '?')}({params})" if params else str(sec.get("name", "?"))
+        return partition_label(str(sec.get("name", "?")), {k: v for k, v in sec.items() if k != "name"})
 
     @property
     def seed(self) -> Any:
