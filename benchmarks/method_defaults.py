@@ -151,8 +151,9 @@ def table(config: Path, names: list[str], left: list[str], seeds: list[int], out
             else float("nan")
         cell = f"{100 * statistics.fmean(own):.2f}" + (f" ± {spread:.2f}" if len(own) > 1 else "")
         interval = f"[{mean - half:+.2f}, {mean + half:+.2f}]" if len(diffs) > 1 else "—"
-        below = "—" if name.startswith("fedavg") else ("**yes**" if len(own) > 1 and -mean > spread else "no")
-        if not name.startswith("fedavg") and all(d == 0 for d in diffs):
+        is_reference = name == reference_label("fedavg")  # FedAvg's own row (fedavg_sm is a method of its own)
+        below = "—" if is_reference else ("**yes**" if len(own) > 1 and -mean > spread else "no")
+        if not is_reference and all(d == 0 for d in diffs):
             # its defaults left it its reference's run (FedCDA inside its warm-up): said, not read as a tie
             below += " (the reference's accuracy on every seed)"
         lines.append(f"| {name} | {ref} | {len(pairs)} | {cell} | {mean:+.2f} | {interval} | {below} |")

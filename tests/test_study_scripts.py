@@ -208,19 +208,22 @@ def test_method_defaults_table_pairs_by_seed_flags_a_loss_beyond_the_seed_spread
 
     config = method_defaults.REPO / "configs" / "demo.yaml"
     last_k = {"fedavg": [0.60, 0.58, 0.62], "fedprox": [0.50, 0.49, 0.52], "fedcda": [0.60, 0.58, 0.62],
-              "moon": [0.61, 0.57, 0.63]}
+              "moon": [0.61, 0.57, 0.63], "fedavg_sm": [0.50, 0.49, 0.52]}
     for name, values in last_k.items():
         for seed, value in enumerate(values):
             folder = method_defaults.run_dir(tmp_path, config, name, seed)
             folder.mkdir(parents=True)
             (folder / "summary.json").write_text(json.dumps({"accuracy_last_k": value}))
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in
-            method_defaults.table(config, ["fedprox", "fedcda", "moon"], [], [0, 1, 2], tmp_path).splitlines()
+            method_defaults.table(config, ["fedavg", "fedprox", "fedcda", "moon", "fedavg_sm"], [], [0, 1, 2],
+                                  tmp_path).splitlines()
             if line.startswith("| ") and not line.startswith("| method")}
     # fedprox: -10, -9, -10 points; its own spread std(50, 49, 52) = 1.53 < 10 -> flagged
     assert rows["fedprox"][4] == "-9.67" and rows["fedprox"][6].startswith("**yes**")
     assert rows["fedcda"][4] == "+0.00" and "the reference's accuracy on every seed" in rows["fedcda"][6]
     assert rows["moon"][4] == "+0.33" and rows["moon"][6].strip(" |") == "no"
+    # FedAvg's own row is the reference, not a method below it; FedAvg_SM, a method of its own, is judged
+    assert rows["fedavg"][6].strip(" |") == "—" and rows["fedavg_sm"][6].startswith("**yes**")
 
 
 def test_method_defaults_personal_table_compares_the_personal_series_over_each_runs_last_k_rounds(tmp_path):
