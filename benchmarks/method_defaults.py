@@ -124,6 +124,16 @@ def last_k(folder: Path, metric: str = "last_k") -> float | None:
     return measure(run, "last_k", run.last_k, "personal_accuracy")
 
 
+def diverged_after(folder: Path) -> int | None:
+    """The last round a run that stopped on a diverged loss finished (its stopped.json); None for any other run.
+    Such a run fails the same way every time it is tried: the table says so rather than leave the seed out."""
+    stopped = folder / "stopped.json"
+    if (folder / "summary.json").exists() or not stopped.exists():
+        return None
+    why = json.loads(stopped.read_text())
+    return why.get("after_round", 0) if why.get("reason") == "diverged" else None
+
+
 def table(config: Path, names: list[str], left: list[str], seeds: list[int], out: Path,
           metric: str = "last_k") -> str:
     personal = metric != "last_k"
@@ -140,8 +150,10 @@ def table(config: Path, names: list[str], left: list[str], seeds: list[int], out
         pairs = [(last_k(run_dir(out, config, name, s), metric), last_k(run_dir(out, config, ref, s), metric))
                  for s in seeds]
         pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        diverged = [s for s in seeds if diverged_after(run_dir(out, config, name, s)) is not None]
+        count = f"{len(pairs)}" + (f" (seed {', '.join(map(str, diverged))} diverged)" if diverged else "")
         if not pairs:
-            lines.append(f"| {name} | {ref} | 0 | — | — | — | not run yet |")
+            lines.append(f"| {name} | {ref} | {count} | — | — | — | {'not run yet' if not diverged else '—'} |")
             continue
         own = [a for a, _ in pairs]
         diffs = [100 * (a - b) for a, b in pairs]
@@ -156,7 +168,7 @@ def table(config: Path, names: list[str], left: list[str], seeds: list[int], out
         if not is_reference and all(d == 0 for d in diffs):
             # its defaults left it its reference's run (FedCDA inside its warm-up): said, not read as a tie
             below += " (the reference's accuracy on every seed)"
-        lines.append(f"| {name} | {ref} | {len(pairs)} | {cell} | {mean:+.2f} | {interval} | {below} |")
+        lines.append(f"| {name} | {ref} | {count} | {cell} | {mean:+.2f} | {interval} | {below} |")
     if left:
         lines += ["", "Left out on this config: " + "; ".join(left) + "."]
     return "\n".join(lines) + "\n"

@@ -248,9 +248,13 @@ def test_method_defaults_personal_table_compares_the_personal_series_over_each_r
                 for r, (g, p) in enumerate(rounds, 1)))
             (folder / "summary.json").write_text(json.dumps(
                 {"method": name, "accuracy_last_k": sum(g for g, _ in rounds[-2:]) / 2, "last_k": 2}))
-    personal = method_defaults.table(config, ["pfedme"], [], [0, 1], tmp_path, "personal_last_k")
+    diverged = method_defaults.run_dir(tmp_path, config, "pfedme", 2)
+    diverged.mkdir()
+    (diverged / "stopped.json").write_text(json.dumps({"reason": "diverged", "after_round": 3}))
+    personal = method_defaults.table(config, ["pfedme"], [], [0, 1, 2], tmp_path, "personal_last_k")
     row = next(line for line in personal.splitlines() if line.startswith("| pfedme")).split(" | ")
     # pfedme 75 and 80 % against fedavg's 50 and 50 %: +27.5 points; the global table says -40
+    assert row[2] == "2 (seed 2 diverged)"  # said, not silently left out of the mean
     assert row[3] == "77.50 ± 3.54" and row[4] == "+27.50" and row[6].strip(" |") == "no"
     assert "personal last-k % mean ± std" in personal and "--personal" in personal
     row = next(line for line in method_defaults.table(config, ["pfedme"], [], [0, 1], tmp_path).splitlines()
