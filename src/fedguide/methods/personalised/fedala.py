@@ -9,7 +9,9 @@ new global model before the evaluation, and on seeds 0-2 it came out 2.52 points
 60.51 %, last-k, paired interval [−10.66, +5.61]; per seed −1.25, −0.08, −6.24), more than its own seed spread of
 1.41 (benchmarks/results/method_defaults/demo.md): the mixing weights W_i pull each client's model towards its
 own label mix, which the global test set does not share. Compare ``personal_accuracy`` under
-``eval.mode: both``, where personalisation is meant to win.
+``eval.mode: both``, where personalisation is meant to win: there the same runs score 86.99 ± 1.96 % against
+FedAvg's global model's 60.52 % on the same splits, +26.47 [+22.79, +30.15]
+(benchmarks/results/method_defaults/demo_personal.md).
 
 Each client keeps its local model θ_i. Before local training it initialises from the received global model Θ
 with Adaptive Local Aggregation (ALA, Algorithm 1 lines 6-16):

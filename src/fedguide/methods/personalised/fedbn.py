@@ -12,8 +12,10 @@ client its own domain); its global accuracy scores each client's model, BatchNor
 label mix, on every class. On ``configs/demo.yaml`` (Dir 0.1, seeds 0-2, last-k) that is 70.46 % against 76.65 % for
 FedAvg on the same network with BatchNorm (``model.batch_norm: true``): −6.18 points paired (per seed −4.68,
 −3.89, −9.98; interval [−14.40, +2.04]), more than its own seed spread of 4.30
-(benchmarks/results/method_defaults/demo.md). Compare it on a domain partition with ``eval.mode: personal``,
-its own protocol.
+(benchmarks/results/method_defaults/demo.md). On the clients' own test splits (``eval.mode: both``) label skew
+gives it no clear win either: 73.22 ± 9.39 % against 76.64 % for FedAvg with BatchNorm, −3.43 [−24.68, +17.82]
+(per seed +1.40, +1.62, −13.30; benchmarks/results/method_defaults/demo_personal.md). Compare it on a domain
+partition with ``eval.mode: personal``, its own protocol.
 
 Defaults and decisions:
 - Local entries are found by module type, not by name: every entry of a BatchNorm layer (``torch.nn``'s

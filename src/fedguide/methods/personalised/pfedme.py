@@ -12,6 +12,19 @@ to the next (it is the model's own parameters). The client uploads w (``userpFed
 the uploads weighted by the clients' sizes and mixes the result with its previous model,
     x ← (1 − β)·x + β·Σ_i (n_i / n)·w_i                     (``FLAlgorithms/servers/serverbase.py`` L107-125).
 
+Where it is expected to lose: on the global test set under the default ``global_eval: clients``, which scores
+each client's θ, fitted to its own label mix, on every class. On ``configs/demo.yaml`` (Dir 0.1, seeds 0-2,
+last-2) that is 17.22 ± 4.21 % against FedAvg's 60.51 %, −43.29 [−59.39, −27.19] points paired
+(benchmarks/results/method_defaults/demo.md); on the clients' own test splits (``eval.mode: both``, seeds 1-2:
+seed 0 diverged there, below) 51.13 ± 3.50 % against FedAvg's global model's 60.52 %, −9.23
+(benchmarks/results/method_defaults/demo_personal.md), the one personalised method here below FedAvg on its own
+clients' splits as well. Its global model x (``global_eval: server``) was 45.3 and 52.6 % on seeds 1 and 2, 11 points
+below FedAvg rather than 43 (benchmarks/results/method_defaults/pfedme_stability.md). The released step sizes
+also sit at the edge of stability on a CNN: the inner step is stable only where the loss's sharpness stays below
+2/η_p − λ − μ ≈ 7.2 (FedAvg's SGD at lr 0.01 with momentum 0.9 tolerates 380), and seed 0 diverged in round 4
+on one machine (every time) and finished on another; train.lr cannot give it FedAvg's effective step (at 0.1 the w step
+η·λ = 1.5 overshoots and every seed diverged in round 1). Lower ``personal_lr`` where it diverges.
+
 Defaults and decisions (the official ``main.py`` argparse defaults, L66-78, for the settings the method names):
 - λ 15 (``lam``), K 5 (``inner_steps``), η_p 0.09 (``personal_lr``), β 1.0 (``beta``), and μ 0.001 (``mu``),
   the ``pFedMeOptimizer``'s own default (fedoptimizer.py L50), which ``UserpFedMe`` never overrides (L26): a small

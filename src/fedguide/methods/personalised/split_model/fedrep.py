@@ -11,6 +11,13 @@ client, starting from the global φ and its own h_i:
 and uploads φ_i only; the server averages the representations. The head never leaves the client: it is kept
 in the client's disk state and is not part of any upload.
 
+Where it is expected to lose: on the global test set under label skew, where its global accuracy (FedDW's
+protocol, below) scores each client's head, fitted to its own classes, on every class. On ``configs/demo.yaml``
+(Dir 0.1, seeds 0-2, last-2) that is 35.53 ± 3.04 % against FedAvg's 60.51 %, −24.98 [−39.69, −10.27] points
+paired (benchmarks/results/method_defaults/demo.md); on the clients' own test splits (``eval.mode: both``) the
+same runs score 91.98 ± 1.87 % against FedAvg's global model's 60.52 % there, +31.47 [+28.51, +34.43]
+(benchmarks/results/method_defaults/demo_personal.md): ``personal_accuracy`` is the reading FedRep is made to win.
+
 Defaults and decisions:
 - ``head_epochs`` 10: every released script runs ``local_ep − local_rep_ep`` = 10 head epochs
   (``lgcollins/FedRep/scripts/FedRep_cifar10_2shards.sh`` L5: ``--local_ep 11 --local_rep_ep 1``; the other six scripts
