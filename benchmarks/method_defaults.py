@@ -34,10 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _runs import FROM_DEFAULTS, REPO, ensure_run, summary  # noqa: E402
 
+from fedguide.core.atomic import write_text  # noqa: E402
 from fedguide.report.measures import measure  # noqa: E402
 from fedguide.report.runs import load_run  # noqa: E402
-
-from fedguide.core.atomic import write_text  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "method_defaults"
 CONFIGS = [REPO / "configs/demo.yaml", REPO / "configs/fmnist_dir0.1.yaml"]
