@@ -181,9 +181,13 @@ def test_lack_run_fills_every_clients_classes_and_weights_fedavg_by_real_plus_ge
     assert torch.allclose(agg, torch.full((2,), 38 / 14))
 
 
-def test_random_run_gives_each_client_a_slice_of_the_pool(tmp_path, tiny_sd, fmnist_root):
+def test_random_run_gives_each_client_a_slice_of_the_pool(tmp_path, tiny_sd, fmnist_root, capsys):
     cfg = config(tiny_sd, fmnist_root, tmp_path / "cache", pool_per_class=2)
     summary, _, run_dir = run_tiny(tmp_path, cfg)
+    # the generation says how far it is, client by client, chunk by chunk (hours on a CPU at full scale)
+    said = capsys.readouterr().err
+    assert all(f"synthetic: client {c} chunk 1/1: 5 images in" in said for c in range(4))
+    assert said.count("sampling: 5/5") == 4
     record = json.loads((run_dir / "guidance" / "feddda.json").read_text())["generated_data"]
     assert record["add"] == "random" and record["pool_per_class"] == 2
     assert record["per_client"] == {str(c): 5 for c in range(4)}  # ⌊10 classes · 2 / 4 slices⌋

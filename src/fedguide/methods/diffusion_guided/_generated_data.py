@@ -379,8 +379,10 @@ class GeneratedData:
                 store.drop_chunks_from(cid, 0)  # nothing for this client: no images of an earlier plan stay
                 continue
             job = GenerationJob(cid, classes, recipe, partial(self._sample, model, cid))
+            # minutes to hours on a CPU: each chunk says so as it lands (its client, its place, its rate), as the
+            # one-shot methods' generation does
             _, stats = generate_set(store, [job], lambda labels: [prompts[c] for c in labels], per_class,
-                                    4 * p.gen_batch_size, run.data.splits)
+                                    4 * p.gen_batch_size, run.data.splits, verbose=True)
             generated, seconds = generated + stats.generated_images, seconds + stats.seconds
         note = {"folder": str(self.folder), "add": self.mode, "generated_images": generated,
                 "seconds": round(seconds, 3), "per_client": {cid: int(n) for cid, n in enumerate(plan.sum(1))},
@@ -396,7 +398,7 @@ class GeneratedData:
         p = self.params
         config = SamplerConfig(scheduler=p.scheduler, steps=p.steps, guidance_scale=p.cfg_scale, eta=0.0,
                                batch_size=p.gen_batch_size, seed=p.seed * NOISE_CLIENT_STRIDE + client_id,
-                               progress=False, first_index=first)
+                               progress=True, first_index=first)
         return sample(model, prompts, config)
 
     def pool(self, client_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
