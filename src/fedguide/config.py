@@ -91,6 +91,17 @@ class Named(Typed):
         return dict(self.model_extra or {})
 
 
+# A search budget (the dirichlet partition's), not a property of the split it finds: two runs that differ only
+# here hold the same partition.
+NOT_IN_PARTITION_LABEL = ("max_tries",)
+
+
+def partition_label(name: str, params: dict[str, Any]) -> str:
+    """The name a run's summary and its report give a partition section: ``dirichlet(alpha=0.1, min_size=10)``."""
+    shown = ", ".join(f"{k}={v}" for k, v in params.items() if k not in NOT_IN_PARTITION_LABEL)
+    return f"{name}({shown})" if shown else name
+
+
 class DataConfig(Named):
     name: str = "fmnist"
     fraction: float = Field(1.0, gt=0.0, le=1.0)

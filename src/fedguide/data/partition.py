@@ -17,16 +17,6 @@ from fedguide.registry import ConfigError, NoParams, Registry
 PARTITIONS = Registry("partition", plugins=("fedguide.data.scenarios",))
 
 
-# A search budget, not a property of the split it finds: two runs that differ only here hold the same partition.
-NOT_IN_LABEL = ("max_tries",)
-
-
-def partition_label(name: str, params: dict[str, Any]) -> str:
-    """The name a run's summary and its report give a partition: ``dirichlet(alpha=0.1, min_size=10)``."""
-    shown = ", ".join(f"{k}={v}" for k, v in params.items() if k not in NOT_IN_LABEL)
-    return f"{name}({shown})" if shown else name
-
-
 def _sorted(parts: list[np.ndarray]) -> list[np.ndarray]:
     return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
 

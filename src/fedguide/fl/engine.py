@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from fedguide.config import Config
+from fedguide.config import Config, partition_label as label_of_partition
 from fedguide.core import simulated
 from fedguide.core.device import device_rules, deterministic, resolve_device, to_device
 from fedguide.core.evaluation import first_best, rounds_since_best
@@ -26,7 +26,6 @@ from fedguide.fl.loggers import MetricLoggers, check_available, open_loggers
 from fedguide.fl.run_folder import RunFolder, pinned_config
 from fedguide.fl.runtime import Executor, RunHandle, Runtime, runtime_of
 from fedguide.data.device_data import SHARED_DECISION
-from fedguide.data.partition import partition_label as label_of_partition
 from fedguide.fl.setup import Prepared, client_processes_on_device, open_run
 from fedguide.methods import Method, RunContext
 from fedguide.methods.compose import Hooks

@@ -15,8 +15,7 @@ from typing import Any, Iterable, Union
 
 from pydantic import ValidationError
 
-from fedguide.config import ReportConfig
-from fedguide.data.partition import partition_label
+from fedguide.config import ReportConfig, partition_label
 from fedguide.fl.run_folder import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, RunFolder
 
 
