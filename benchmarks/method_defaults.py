@@ -126,11 +126,10 @@ def last_k(folder: Path, metric: str = "last_k") -> float | None:
 def diverged_after(folder: Path) -> int | None:
     """The last round a run that stopped on a diverged loss finished (its stopped.json); None for any other run.
     Such a run fails the same way every time it is tried: the table says so rather than leave the seed out."""
-    stopped = folder / "stopped.json"
-    if (folder / "summary.json").exists() or not stopped.exists():
-        return None
-    why = json.loads(stopped.read_text())
-    return why.get("after_round", 0) if why.get("reason") == "diverged" else None
+    from fedguide.fl.run_folder import RunFolder
+
+    why = None if (folder / "summary.json").exists() else RunFolder(folder).read_stopped()
+    return why.get("after_round", 0) if why and why.get("reason") == "diverged" else None
 
 
 def table(config: Path, names: list[str], left: list[str], seeds: list[int], out: Path,
