@@ -9,6 +9,7 @@ The table pairs each method's last-k accuracy with its reference's, seed by seed
 
     .venv/bin/python benchmarks/method_defaults.py [--configs configs/demo.yaml ...] [--seeds 0 1 2]
                                                    [--methods fedavg moon ...] [--out runs/method_defaults]
+                                                   [--verbose]   # each run's rounds as well
     .venv/bin/python benchmarks/method_defaults.py --report     # only the table, from the finished runs
 
 Runs are resumable (kept when finished, continued when started); the table and status go to
@@ -183,6 +184,9 @@ def main() -> None:
                     help="the methods with personal models (or --methods), with eval.mode=both, compared on "
                          "personal accuracy")
     ap.add_argument("--report", action="store_true", help="write the tables from the finished runs only")
+    ap.add_argument("--verbose", action="store_true",
+                    help="print each run's rounds too (by default a run prints its start and its result: the "
+                         "runs of configs/fmnist_dir0.1.yaml take minutes to hours each)")
     args = ap.parse_args()
     out = args.out or REPO / "runs" / ("method_defaults_personal" if args.personal else "method_defaults")
     metric, extra, suffix = ("personal_last_k", ("eval.mode=both",), "_personal") if args.personal \
@@ -200,7 +204,7 @@ def main() -> None:
             for i, (folder, overrides) in enumerate(runs, 1):
                 print(f"[{i}/{len(runs)}] {config.stem}: {folder.name}", flush=True)
                 try:
-                    ensure_run(config, folder, overrides)
+                    ensure_run(config, folder, overrides, quiet=not args.verbose)
                 except subprocess.CalledProcessError as err:  # one method's failure leaves the others to run
                     print(f"[{i}/{len(runs)}] {folder.name}: FAILED (exit {err.returncode}); the next invocation "
                           "tries it again", flush=True)
