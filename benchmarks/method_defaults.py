@@ -13,8 +13,9 @@ The table pairs each method's last-k accuracy with its reference's, seed by seed
     .venv/bin/python benchmarks/method_defaults.py --report     # only the table, from the finished runs
 
 Runs are resumable (kept when finished, continued when started); the table and status go to
-benchmarks/results/method_defaults/<config>.md. Methods built on a guidance model run on configs that name
-one (demo.yaml: the embedded model); elsewhere they are left out and listed as such.
+benchmarks/results/method_defaults/<config>.md. A method the config cannot run (its pre-flight check refuses
+it) is left out and listed with the check's reason. The guided methods run on the embedded guidance model where a
+config names none (``guidance.model``'s default).
 
 ``--personal`` asks the other question of the methods whose clients keep a model of their own (Ditto, pFedMe,
 FedRep, Local, ...), whose global accuracy scores those models on the whole test set: the same runs with
@@ -66,23 +67,20 @@ def requirement_overrides(name: str) -> list[str]:
 
 
 def methods_for(config: Path, chosen: list[str] | None) -> tuple[list[str], list[str]]:
-    """(methods to run on ``config``, methods left out because the config names no guidance model)."""
-    import yaml
-
+    """(methods to run on ``config``, methods its pre-flight check refuses, each with the check's reason)."""
     from fedguide.config import load_config
     from fedguide.fl.preflight import check
     from fedguide.methods import METHODS
     from fedguide.registry import ConfigError
 
     names = chosen or list(METHODS.names())
-    guided = "model" in (yaml.safe_load(config.read_text()).get("guidance") or {})
     run, left = [], []
     for name in names:
         try:
             check(load_config(config, [*FROM_DEFAULTS, f"method.name={name}", *requirement_overrides(name)]))
             run.append(name)
         except (ConfigError, ValueError) as err:
-            left.append(f"{name} ({'no guidance model in the config' if not guided else err})")
+            left.append(f"{name} ({err})")
     return run, left
 
 

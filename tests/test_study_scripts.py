@@ -280,3 +280,24 @@ def test_method_defaults_keeps_its_runs_to_a_line_each_unless_verbose(tmp_path, 
         monkeypatch.setattr(sys, "argv", argv + flags)
         method_defaults.main()
         assert asked == [(False, True), (True, quiet)]  # the restore pass, then the run
+
+
+def test_method_defaults_names_the_checks_own_reason_for_a_method_it_leaves_out(monkeypatch):
+    """A refused method is listed with the pre-flight check's sentence: on a config naming no guidance model the
+    reason was once always "no guidance model", whatever the check had said."""
+    import fedguide.fl.preflight as preflight
+    import method_defaults
+    from fedguide.registry import ConfigError
+
+    real = preflight.check
+
+    def check(cfg):
+        if cfg.method.name == "moon":
+            raise ConfigError("moon needs train.batch_size >= 2; set train.batch_size=2")
+        return real(cfg)
+
+    monkeypatch.setattr(preflight, "check", check)
+    run, left = method_defaults.methods_for(method_defaults.REPO / "configs" / "fmnist_dir0.1.yaml",
+                                            ["fedavg", "moon", "feddifrc"])
+    assert run == ["fedavg", "feddifrc"]  # the embedded guidance model is the default where a config names none
+    assert left == ["moon (moon needs train.batch_size >= 2; set train.batch_size=2)"]
