@@ -122,13 +122,13 @@ def last_k(folder: Path, metric: str = "last_k") -> float | None:
     return measure(run, "last_k", run.last_k, "personal_accuracy")
 
 
-def diverged_after(folder: Path) -> int | None:
-    """The last round a run that stopped on a diverged loss finished (its stopped.json); None for any other run.
-    Such a run fails the same way every time it is tried: the table says so rather than leave the seed out."""
+def diverged(folder: Path) -> bool:
+    """Whether the run stopped on a diverged loss (its stopped.json). Such a run fails the same way every time it
+    is tried: the table says so rather than leave the seed out."""
     from fedguide.fl.run_folder import RunFolder
 
     why = None if (folder / "summary.json").exists() else RunFolder(folder).read_stopped()
-    return why.get("after_round", 0) if why and why.get("reason") == "diverged" else None
+    return bool(why) and why.get("reason") == "diverged"
 
 
 def table(config: Path, names: list[str], left: list[str], seeds: list[int], out: Path,
@@ -147,10 +147,10 @@ def table(config: Path, names: list[str], left: list[str], seeds: list[int], out
         pairs = [(last_k(run_dir(out, config, name, s), metric), last_k(run_dir(out, config, ref, s), metric))
                  for s in seeds]
         pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
-        diverged = [s for s in seeds if diverged_after(run_dir(out, config, name, s)) is not None]
-        count = f"{len(pairs)}" + (f" (seed {', '.join(map(str, diverged))} diverged)" if diverged else "")
+        lost = [s for s in seeds if diverged(run_dir(out, config, name, s))]
+        count = f"{len(pairs)}" + (f" (seed {', '.join(map(str, lost))} diverged)" if lost else "")
         if not pairs:
-            lines.append(f"| {name} | {ref} | {count} | — | — | — | {'not run yet' if not diverged else '—'} |")
+            lines.append(f"| {name} | {ref} | {count} | — | — | — | {'not run yet' if not lost else '—'} |")
             continue
         own = [a for a, _ in pairs]
         diffs = [100 * (a - b) for a, b in pairs]
